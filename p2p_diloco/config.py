@@ -1,0 +1,232 @@
+"""Run configuration: one TOML file per run, validated in full before anything starts.
+
+Every peer of a run must load the same file: the model shape, the tokenizer and the seed decide the
+initial global parameters, and the run name decides which DHT keys and all-reduce groups a peer uses.
+Defaults are the recommended values; the DiLoCo paper's (arXiv 2311.08105, section 3) are scaled
+down to the small models this project is usually tried with first.
+
+A bad value raises :class:`ConfigError` with one line naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or out of range; the message is one line for the user."""
+
+
+def _spec(default: Any, check: Callable[[Any], bool], allowed: str) -> Any:
+    """A dataclass field with a validity check and the human-readable rule it enforces."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"check": check, "allowed": allowed})
+    return field(default=default, metadata={"check": check, "allowed": allowed})
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def int_at_least(default: int, lo: int) -> Any:
+    return _spec(default, lambda v: _is_int(v) and v >= lo, f"an integer >= {lo}")
+
+
+def positive(default: float) -> Any:
+    return _spec(default, lambda v: _is_num(v) and v > 0, "a number > 0")
+
+
+def non_negative(default: float) -> Any:
+    return _spec(default, lambda v: _is_num(v) and v >= 0, "a number >= 0")
+
+
+def in_range(default: float, lo: float, hi: float) -> Any:
+    return _spec(default, lambda v: _is_num(v) and lo <= v <= hi, f"a number in [{lo}, {hi}]")
+
+
+def one_of(default: str, *choices: str) -> Any:
+    return _spec(default, lambda v: v in choices, "one of " + ", ".join(repr(c) for c in choices))
+
+
+def text(default: str, pattern: str = r".*", allowed: str = "a string") -> Any:
+    return _spec(default, lambda v: isinstance(v, str) and re.fullmatch(pattern, v) is not None, allowed)
+
+
+def string_list(default: list) -> Any:
+    return _spec(default, lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v), "a list of strings")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = text("demo", r"[A-Za-z0-9_-]{1,64}", "1-64 letters, digits, '_' or '-' (it prefixes DHT keys)")
+    seed: int = int_at_least(0, 0)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-architecture causal LM built from these sizes, or any AutoConfig-compatible `name`."""
+
+    name: str = text("llama", r"\S+", "'llama' (built from the sizes below) or a hub model name")
+    hidden_size: int = int_at_least(64, 8)
+    num_layers: int = int_at_least(2, 1)
+    num_heads: int = int_at_least(4, 1)
+    intermediate_size: int = int_at_least(256, 8)
+    max_position_embeddings: int = int_at_least(512, 8)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where text comes from, how it is tokenized and packed into fixed-length training sequences."""
+
+    source: str = one_of("pydoc", "pydoc", "files", "hub")
+    paths: list = string_list([])
+    hub_dataset: str = text("", allowed="a dataset name on the HF hub")
+    hub_config: str = text("", allowed="a dataset config name")
+    hub_split: str = text("train", r"\S+", "a split name")
+    text_column: str = text("text", r"\S+", "a column name")
+    tokenizer: str = text("local-bpe", r"\S+", "'local-bpe' (trained on the corpus) or a hub tokenizer name")
+    vocab_size: int = int_at_least(1024, 260)
+    seq_len: int = int_at_least(64, 8)
+    holdout_fraction: float = in_range(0.05, 0.0, 0.5)
+    max_documents: int = int_at_least(0, 0)
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """Local AdamW between outer steps (DiLoCo Algorithm 1, lines 4-8)."""
+
+    optimizer: str = one_of("adamw", "adamw", "adamw8bit")
+    lr: float = positive(1e-3)
+    weight_decay: float = non_negative(0.1)
+    beta1: float = in_range(0.9, 0.0, 0.999999)
+    beta2: float = in_range(0.95, 0.0, 0.999999)
+    warmup_steps: int = int_at_least(50, 0)
+    total_steps: int = int_at_least(2000, 1)
+    min_lr_ratio: float = in_range(0.1, 0.0, 1.0)
+    grad_clip: float = non_negative(1.0)
+    batch_size: int = int_at_least(16, 1)
+    grad_accumulation: int = int_at_least(1, 1)
+    steps_per_outer: int = int_at_least(50, 1)
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Outer Nesterov SGD on the pseudo-gradient (DiLoCo Algorithm 1, line 12)."""
+
+    lr: float = positive(0.7)
+    momentum: float = in_range(0.9, 0.0, 0.999999)
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """Timeouts (seconds) of every network wait; see docs/timeouts.md for what each bounds."""
+
+    matchmaking_time: float = positive(3.0)
+    request_timeout: float = positive(2.0)
+    round_wait_timeout: float = non_negative(30.0)
+    allreduce_timeout: float = positive(120.0)
+    next_chunk_timeout: float = positive(10.0)
+    state_download_timeout: float = positive(120.0)
+    progress_ttl: float = positive(60.0)
+    checkpoint_dir: str = text("", allowed="a directory path ('' disables checkpoints)")
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+
+    def replace(self, **sections: Mapping[str, Any]) -> "Config":
+        """A copy with some values changed, e.g. ``cfg.replace(inner={"steps_per_outer": 5})``; validated."""
+        raw = dataclasses.asdict(self)
+        for section, values in sections.items():
+            raw[section].update(values)
+        return config_from_dict(raw)
+
+
+def _build_section(cls: type, section: str, raw: Mapping[str, Any]) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config: [{section}] must be a table, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"config: unknown key {section}.{unknown[0]}; allowed keys: {', '.join(fields)}")
+    values = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        given = value = raw[name]
+        if _is_int(value) and f.type == "float":
+            value = float(value)
+        if not f.metadata["check"](value):
+            raise ConfigError(f"config: {section}.{name} = {given!r} is invalid: must be {f.metadata['allowed']}")
+        values[name] = value
+    return cls(**values)
+
+
+def _check_consistency(cfg: Config) -> None:
+    """Rules that involve more than one key."""
+    if cfg.model.name == "llama" and cfg.model.hidden_size % cfg.model.num_heads != 0:
+        raise ConfigError(
+            f"config: model.hidden_size = {cfg.model.hidden_size} must be divisible by "
+            f"model.num_heads = {cfg.model.num_heads}"
+        )
+    if cfg.data.seq_len > cfg.model.max_position_embeddings:
+        raise ConfigError(
+            f"config: data.seq_len = {cfg.data.seq_len} exceeds model.max_position_embeddings = "
+            f"{cfg.model.max_position_embeddings}"
+        )
+    if cfg.data.source == "files" and not cfg.data.paths:
+        raise ConfigError("config: data.paths = [] is invalid when data.source = 'files': list at least one text file")
+    if cfg.data.source == "hub" and not cfg.data.hub_dataset:
+        raise ConfigError("config: data.hub_dataset = '' is invalid when data.source = 'hub': name a hub dataset")
+    if cfg.inner.warmup_steps >= cfg.inner.total_steps:
+        raise ConfigError(
+            f"config: inner.warmup_steps = {cfg.inner.warmup_steps} must be smaller than "
+            f"inner.total_steps = {cfg.inner.total_steps}"
+        )
+    if cfg.swarm.request_timeout >= cfg.swarm.matchmaking_time:
+        # hivemind: request_timeout must be smaller than min_matchmaking_time to avoid deadlocks
+        raise ConfigError(
+            f"config: swarm.request_timeout = {cfg.swarm.request_timeout} must be smaller than "
+            f"swarm.matchmaking_time = {cfg.swarm.matchmaking_time}"
+        )
+
+
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> Config:
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"config: unknown section [{unknown[0]}]; allowed sections: {', '.join(SECTIONS)}")
+    sections = {name: _build_section(factory, name, raw.get(name, {})) for name, factory in SECTIONS.items()}
+    cfg = Config(**sections)
+    _check_consistency(cfg)
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a run config; raises ConfigError with a one-line message."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config: file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config: {str(path)!r} is not valid TOML: {e}") from None
+    return config_from_dict(raw)

@@ -1,0 +1,127 @@
+"""What the `bootstrap` and `peer` commands do: set up logging and signals, start, run, stop cleanly."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+logger = logging.getLogger("p2p_diloco")
+
+EXIT_OK, EXIT_USAGE, EXIT_UNREACHABLE = 0, 2, 3
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if not verbose:  # hivemind's own INFO lines are noise for a user; its warnings still show
+        logging.getLogger("hivemind").setLevel(logging.WARNING)
+
+
+def install_stop_handlers() -> threading.Event:
+    """SIGINT and SIGTERM set the returned event; a second signal exits at once."""
+    stop = threading.Event()
+
+    def handle(signum, _frame):
+        if stop.is_set():
+            os._exit(128 + signum)
+        logger.info("received %s: leaving the swarm", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGTERM, handle)
+    return stop
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def print_maddrs(dht, prefix: str = "") -> None:
+    from p2p_diloco.swarm.node import visible_maddrs
+
+    for maddr in visible_maddrs(dht):
+        print(f"{prefix}{maddr}", flush=True)
+
+
+def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose) -> int:
+    setup_logging(verbose)
+    from p2p_diloco.swarm.node import NodeAddressError, start_dht
+
+    stop = install_stop_handlers()
+    try:
+        dht = start_dht(host, port, announce_ip, identity_path, initial_peers)
+    except NodeAddressError as e:
+        return _fail(str(e), EXIT_USAGE)
+    except ConnectionError as e:
+        return _fail(str(e), EXIT_UNREACHABLE)
+    try:
+        print_maddrs(dht)
+        logger.info("bootstrap node is up; give peers one of the addresses above as --initial-peers")
+        stop.wait()
+    finally:
+        dht.shutdown()
+        logger.info("bootstrap node stopped")
+    return EXIT_OK
+
+
+def _pick_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    return device
+
+
+def run_peer(config_path, host, port, announce_ip, identity_path, initial_peers, verbose,
+             metrics_file, checkpoint_dir, max_outer_steps, device_name) -> int:
+    setup_logging(verbose)
+    from p2p_diloco.config import ConfigError, load_config
+    from p2p_diloco.swarm.node import NodeAddressError, parse_initial_peers
+
+    try:
+        cfg = load_config(config_path)
+        if checkpoint_dir:
+            cfg = cfg.replace(swarm={"checkpoint_dir": checkpoint_dir})
+        parse_initial_peers(initial_peers)
+        device = _pick_device(device_name)
+    except (ConfigError, NodeAddressError, ValueError, RuntimeError) as e:
+        return _fail(str(e), EXIT_USAGE)
+
+    from p2p_diloco.metrics import MetricsWriter
+    from p2p_diloco.swarm.node import start_dht
+    from p2p_diloco.train.data import TextData, order_seed
+    from p2p_diloco.train.diloco import DiLoCoPeer
+    from p2p_diloco.train.model import build_model
+
+    data = TextData(cfg.data)
+    model = build_model(cfg.model, data.vocab_size, cfg.run.seed).to(device)
+    try:
+        dht = start_dht(host, port, announce_ip, identity_path, initial_peers)
+    except NodeAddressError as e:
+        return _fail(str(e), EXIT_USAGE)
+    except ConnectionError as e:
+        return _fail(str(e), EXIT_UNREACHABLE)
+    try:
+        peer_id = dht.peer_id.to_base58()
+        print_maddrs(dht, prefix="peer reachable at ")
+        batches = data.peer_batches(cfg.inner.batch_size, order_seed(cfg.run.seed, peer_id))
+        metrics = MetricsWriter(metrics_file, peer_id)
+        trainer = DiLoCoPeer(cfg, model, batches, dht, metrics)
+        # hivemind's averager sets SIGINT to "ignore" in this process when it starts: install ours after it
+        trainer.stop_event = install_stop_handlers()
+        trainer.run(max_outer_steps)
+        metrics.close()
+    finally:
+        dht.shutdown()
+    logger.info("peer stopped")
+    return EXIT_OK

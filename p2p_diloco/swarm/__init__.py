@@ -1,0 +1,1 @@
+"""Swarm: the DHT node, peer identity, and run progress records on the DHT."""

@@ -1,0 +1,119 @@
+"""Swarm progress on the DHT: where every peer is, so peers agree on when and with whom to sync.
+
+Each peer keeps one record under ``<run>_progress`` (subkey: its peer ID), refreshed whenever its
+phase changes and expiring ``progress_ttl`` seconds after the last refresh, so a crashed peer
+disappears by itself. A record says which outer step the peer's θ_global is at, the sha256 of that
+θ_global, and whether the peer is still training toward the next step or ready to average.
+
+From these records a peer decides (see :func:`plan_round`):
+
+* it is *behind* when any live peer holds a later outer step: it downloads the state first;
+* it *diverged* when peers at its own step hold another θ_global that more peers share (ties
+  broken by the larger sha256): it downloads that state;
+* otherwise it trains, then averages with the peers at its step that are ready within
+  ``round_wait_timeout``, or applies its own pseudo-gradient when it is alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from hivemind import DHT
+from hivemind.utils.timed_storage import get_dht_time
+
+logger = logging.getLogger(__name__)
+
+TRAINING, READY, LEFT = "training", "ready", "left"
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    peer_id: str
+    outer_step: int  # outer steps applied to this peer's θ_global
+    sha256: str  # of that θ_global
+    phase: str  # TRAINING toward outer_step + 1, READY to average for it, or LEFT the swarm
+    samples: int = 0  # samples processed since the last outer step
+    time: float = 0.0
+
+
+class SwarmProgress:
+    """Reads and writes the run's progress records on the DHT."""
+
+    def __init__(self, dht: DHT, run_name: str, ttl: float):
+        self.dht = dht
+        self.key = f"{run_name}_progress"
+        self.ttl = ttl
+        self.peer_id = dht.peer_id.to_base58()
+
+    def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0) -> None:
+        record = PeerProgress(self.peer_id, outer_step, sha256, phase, samples, time.time())
+        ttl = 5.0 if phase == LEFT else self.ttl
+        ok = self.dht.store(
+            self.key, value=asdict(record), subkey=self.peer_id, expiration_time=get_dht_time() + ttl
+        )
+        if not ok:
+            logger.warning("could not store this peer's progress record on the DHT")
+
+    def fetch(self) -> dict[str, PeerProgress]:
+        """Live records of every peer, this one included (peers that left are omitted)."""
+        found = self.dht.get(self.key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        records = {}
+        for subkey, item in found.value.items():
+            try:
+                record = PeerProgress(**item.value)
+            except (TypeError, AttributeError):
+                logger.debug("ignoring a malformed progress record under %r", subkey)
+                continue
+            if record.phase != LEFT:
+                records[record.peer_id] = record
+        return records
+
+    def wait_for_groupmates(self, outer_step: int, timeout: float, poll: float = 0.5) -> dict[str, PeerProgress]:
+        """Wait until no live peer is still training toward `outer_step + 1`, or `timeout` seconds.
+
+        Returns the records seen last. Peers still training after the timeout are left behind:
+        they catch up by downloading the state afterwards.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            records = self.fetch()
+            training = [r for r in records.values() if r.outer_step == outer_step and r.phase == TRAINING]
+            if not training or time.monotonic() >= deadline:
+                return records
+            time.sleep(poll)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What this peer does next, derived from the progress records alone."""
+
+    action: str  # "train", or "load" (download a newer or the agreed state first)
+    reason: str
+    target_step: int
+    target_sha256: Optional[str] = None
+
+
+def agreed_sha256(records: dict[str, PeerProgress], outer_step: int) -> Optional[str]:
+    """The θ_global most peers at `outer_step` hold (ties: the larger sha256), or None."""
+    counts = Counter(r.sha256 for r in records.values() if r.outer_step == outer_step)
+    if not counts:
+        return None
+    return max(counts, key=lambda sha: (counts[sha], sha))
+
+
+def plan_round(records: dict[str, PeerProgress], my_step: int, my_sha256: str) -> RoundPlan:
+    others = {pid: r for pid, r in records.items() if r.sha256 != my_sha256 or r.outer_step != my_step}
+    frontier = max((r.outer_step for r in others.values()), default=my_step)
+    if frontier > my_step:
+        return RoundPlan("load", f"the swarm is at outer step {frontier}, this peer at {my_step}", frontier,
+                         agreed_sha256(records, frontier))
+    agreed = agreed_sha256(records, my_step)
+    if agreed is not None and agreed != my_sha256:
+        return RoundPlan("load", f"peers at outer step {my_step} agree on another global model", my_step, agreed)
+    return RoundPlan("train", "in step with the swarm", my_step)

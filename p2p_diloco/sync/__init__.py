@@ -1,0 +1,1 @@
+"""Sync: what is synced, the all-reduce that agrees on the mean, and state transfer to joiners."""

@@ -1,0 +1,179 @@
+"""hivemind's butterfly all-reduce, changed so that every peer ends with bit-identical results.
+
+In hivemind 1.1.12 the reducer of each part sends every sender the *difference* between the average
+and that sender's own part, which the sender adds back: ``x + (avg − x)`` is rounded differently
+on each peer, so replicas drift apart in the last bits (about 4e-7 measured) even without
+compression. Here each reducer sends the averaged part itself, and every peer, the reducer
+included, copies those exact bytes in: the result is identical on all peers by construction.
+
+The change sits at three narrow seams of hivemind's classes, and nothing else of its protocol,
+matchmaking or timeouts is touched:
+
+* :meth:`ExactAllReduceRunner._accumulate_parts_streaming`: the reducer replies with the average;
+* :meth:`ExactAllReduceRunner._communicate_with_peer`: the local part keeps the average too;
+* :meth:`ExactMeanAverager._run_allreduce_inplace_`: results are copied in, not added.
+
+A round in which a reducer failed is partial: its parts keep each peer's own input (hivemind only
+logs a warning and reports success). Here that raises :class:`PartialRoundError`, so the caller
+knows the tensors it holds are not the group's mean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import multiprocessing as mp
+from typing import AsyncIterator, Optional, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+
+
+class PartialRoundError(RuntimeError):
+    """Some parts of the all-reduce were not averaged by their reducer: the result is not the mean."""
+
+
+class TrafficCounters:
+    """Tensor payload bytes this peer sent and received in all-reduce rounds, shared across processes.
+
+    Counts the serialized tensor parts (inputs to reducers, averaged parts back); protobuf framing,
+    libp2p overhead, DHT traffic and state downloads are not included.
+    """
+
+    def __init__(self):
+        self._sent = mp.Value(ctypes.c_int64, 0)
+        self._received = mp.Value(ctypes.c_int64, 0)
+
+    def add(self, sent: int = 0, received: int = 0) -> None:
+        with self._sent.get_lock():
+            self._sent.value += sent
+        with self._received.get_lock():
+            self._received.value += received
+
+    @property
+    def sent(self) -> int:
+        return self._sent.value
+
+    @property
+    def received(self) -> int:
+        return self._received.value
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """Butterfly all-reduce whose output is the averaged tensor itself, identical on every peer."""
+
+    def __init__(self, *, traffic: "TrafficCounters", **kwargs):
+        super().__init__(**kwargs)
+        # a failed reducer's parts then keep the local input (not a zero delta): see PartialRoundError
+        self.tensor_part_container.return_deltas = False
+        self.traffic = traffic
+        register = self.tensor_part_container.register_processed_part
+        my_index = self.ordered_peer_ids.index(self.peer_id)
+
+        def register_and_count(peer_index: int, part_index: int, part: torch.Tensor):
+            if peer_index != my_index:  # an averaged part that a remote reducer sent us
+                traffic.add(received=part.numel() * part.element_size())
+            register(peer_index, part_index, part)
+
+        self.tensor_part_container.register_processed_part = register_and_count
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            self.traffic.add(sent=len(message.tensor_part.buffer))
+            yield message
+
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged_part = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Reduce a sender's parts as they arrive and reply to each with the averaged part."""
+        parts_reduced = 0
+        loop = asyncio.get_event_loop()
+        try:
+            def decode(msg: averaging_pb2.AveragingData):
+                self.traffic.add(received=len(msg.tensor_part.buffer))
+                return deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression
+
+            async for tensor_part, weight, compression in amap_in_executor(
+                decode,
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, parts_reduced, tensor_part, weight=weight
+                    )
+                except BannedException:
+                    break  # the sender was banned meanwhile: its remaining parts are not needed
+                parts_reduced += 1
+                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged_part, compression)
+                self.traffic.add(sent=len(serialized.buffer))
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if parts_reduced != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class ExactMeanAverager(DecentralizedAverager):
+    """A DecentralizedAverager whose ``step()`` leaves the same bytes on every peer of the group.
+
+    ``state_provider`` (called in the host process when a peer downloads state) returns
+    ``(metadata, tensors)``; it replaces hivemind's default of serving the averaged tensors.
+    """
+
+    def __init__(self, *args, state_provider=None, **kwargs):
+        self._state_provider = state_provider
+        self.traffic = TrafficCounters()  # created before the averager process forks, so both see it
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self):
+        if self._state_provider is None:
+            return super().get_current_state()
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs
+    ):
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            traffic=self.traffic,
+            **kwargs,
+        )
+        assert group_id in self._running_groups, f"group {group_id} was not registered"
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("auxiliary peers should not receive averaged tensors")
+            return
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.copy_(averaged)
+        failed = runner.tensor_part_container.failed_size
+        if failed:
+            raise PartialRoundError(
+                f"{failed} of {runner.tensor_part_container.total_size} values were not averaged "
+                f"(a reducer failed); this peer's result differs from the group's"
+            )

@@ -1,0 +1,154 @@
+"""Turns this peer's pseudo-gradient into the group's agreed mean (DiLoCo, arXiv 2311.08105, Alg. 1 l. 11).
+
+The group's mean is weighted by the samples each peer processed since the last outer step, so a
+peer that managed fewer inner steps counts for less. Averaging goes through hivemind's butterfly
+all-reduce (:class:`~p2p_diloco.sync.exact_allreduce.ExactMeanAverager`), whose result is
+bit-identical on every peer of the group. Only peers at the same outer step can meet: the step
+number is part of the matchmaking key.
+
+The same averager serves this peer's global state to joiners (``rpc_download_state``) and
+downloads the state of others (see :mod:`p2p_diloco.sync.state_transfer`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from hivemind import DHT
+from hivemind.averaging.matchmaking import MatchmakingException
+
+from p2p_diloco.config import SwarmConfig
+from p2p_diloco.sync.exact_allreduce import ExactMeanAverager
+
+logger = logging.getLogger(__name__)
+
+STEP_KEY_BITS = 16  # the outer step modulo 2**16 goes into the group key
+
+
+@dataclass
+class GroupMean:
+    """The outcome of one averaging round, as this peer saw it."""
+
+    mean: list[torch.Tensor]  # the group's sample-weighted mean pseudo-gradient (fp32, CPU)
+    group_size: int
+    group_samples: int
+    peer_ids: list[str]
+
+
+class RoundFailed(RuntimeError):
+    """No group was formed, or the all-reduce broke off: this peer has no agreed mean for the step."""
+
+    def __init__(self, message: str, tensors_touched: bool):
+        super().__init__(message)
+        self.tensors_touched = tensors_touched
+
+
+def averager_prefix(run_name: str) -> str:
+    return f"{run_name}_outer"
+
+
+class OuterSync:
+    """One averager per peer, sized like the model's trainable parameters."""
+
+    def __init__(
+        self,
+        dht: DHT,
+        run_name: str,
+        shapes: Sequence[torch.Size],
+        cfg: SwarmConfig,
+        state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
+    ):
+        self.cfg = cfg
+        self.peer_id = dht.peer_id.to_base58()
+        buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        self.averager = ExactMeanAverager(
+            buffers,
+            dht,
+            start=True,
+            prefix=averager_prefix(run_name),
+            min_matchmaking_time=cfg.matchmaking_time,
+            request_timeout=cfg.request_timeout,
+            allreduce_timeout=cfg.allreduce_timeout,
+            next_chunk_timeout=cfg.next_chunk_timeout,
+            # hivemind requires reducer_timeout > sender_timeout (a reducer may wait on senders)
+            reducer_timeout=2 * cfg.next_chunk_timeout,
+            min_group_size=2,
+            allow_state_sharing=True,
+            declare_state_period=min(30.0, cfg.progress_ttl / 2),
+            shutdown_timeout=5,
+            state_provider=state_provider,
+        )
+
+    def average(
+        self,
+        pseudo_gradient: Sequence[torch.Tensor],
+        samples: int,
+        outer_step: int,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> GroupMean:
+        """Average with whoever is at this outer step; raises RoundFailed if no agreed mean came out."""
+        bits = format(outer_step % 2**STEP_KEY_BITS, f"0{STEP_KEY_BITS}b")
+        self.averager.set_group_bits(bits)
+        with self.averager.get_tensors() as buffers:
+            for buffer, delta in zip(buffers, pseudo_gradient):
+                buffer.copy_(delta)
+        timeout = self.cfg.matchmaking_time * 2 + self.cfg.request_timeout * 2 + self.cfg.allreduce_timeout
+        control = self.averager.step(
+            gather=dict(samples=samples, outer_step=outer_step),
+            weight=float(samples),
+            timeout=timeout,
+            allow_retries=False,  # a retry after a broken all-reduce would average half-averaged values
+            wait=False,
+        )
+        gathered = self._wait(control, should_stop, deadline=time.monotonic() + timeout + self.cfg.allreduce_timeout)
+        if gathered is None:
+            raise RoundFailed("no group formed", tensors_touched=False)
+        steps = {meta["outer_step"] for meta in gathered.values()}
+        if steps != {outer_step}:
+            raise RoundFailed(f"groupmates were at outer steps {sorted(steps)}, not {outer_step}", tensors_touched=True)
+        with self.averager.get_tensors() as buffers:
+            mean = [b.clone() for b in buffers]
+        return GroupMean(
+            mean=mean,
+            group_size=len(gathered),
+            group_samples=sum(int(meta["samples"]) for meta in gathered.values()),
+            peer_ids=sorted(peer.to_base58() for peer in gathered),
+        )
+
+    def _wait(self, control, should_stop: Callable[[], bool], deadline: float):
+        """Wait for the round, polling `should_stop` so that Ctrl+C cancels it within a second."""
+        while True:
+            if should_stop() and control.cancel():
+                raise RoundFailed("cancelled: this peer is stopping", tensors_touched=control.began_allreduce)
+            if time.monotonic() > deadline and control.cancel():  # the averager never answered: do not hang
+                raise RoundFailed("the averager did not finish the round in time", tensors_touched=True)
+            try:
+                return control.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                continue
+            except MatchmakingException as e:  # hivemind wraps a broken all-reduce (PartialRoundError too) in this
+                raise RoundFailed(f"all-reduce failed: {e}", tensors_touched=True) from e
+            except concurrent.futures.CancelledError as e:
+                raise RoundFailed("cancelled", tensors_touched=control.began_allreduce) from e
+            except Exception as e:  # hivemind raises a handful of types for a round that never formed
+                raise RoundFailed(f"no group formed: {e!r}", tensors_touched=False) from e
+
+    def set_state_priority(self, priority: float) -> None:
+        """Joiners download from the peer with the highest priority first."""
+        self.averager.state_sharing_priority = priority
+
+    def download_state(self, timeout: float) -> Optional[tuple[dict, list[torch.Tensor]]]:
+        """The global state of the peer with the highest priority that answers, or None."""
+        try:
+            return self.averager.load_state_from_peers(timeout=timeout)
+        except TimeoutError:
+            return None
+
+    def shutdown(self) -> None:
+        if self.averager.is_alive():
+            self.averager.shutdown()

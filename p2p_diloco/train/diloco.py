@@ -1,0 +1,230 @@
+"""The DiLoCo loop of one peer (Douillard et al., arXiv 2311.08105, Algorithm 1), over a hivemind swarm.
+
+Each round:
+
+1. read the swarm's progress (:func:`~p2p_diloco.swarm.progress.plan_round`): a peer that is behind
+   or holds a θ_global the swarm does not agree on downloads the agreed state first;
+2. ``steps_per_outer`` inner AdamW steps (:class:`~p2p_diloco.train.inner.InnerTrainer`);
+3. wait (at most ``round_wait_timeout``) for peers at the same outer step to finish theirs;
+4. pseudo-gradient Δ = θ_global − θ_local; the group's sample-weighted mean of Δ
+   (:class:`~p2p_diloco.sync.outer_sync.OuterSync`), or Δ itself when no other peer is at this step;
+5. outer Nesterov step on θ_global, θ_local ← θ_global, metrics, checkpoint.
+
+A failed round applies nothing: θ_global stays, training goes on, and the next round's plan brings
+the peer back in step with the swarm. Data flows one way: train produces Δ, sync turns it into the
+group's mean, train applies it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Iterator, Optional
+
+import torch
+from hivemind import DHT
+
+from p2p_diloco.config import Config
+from p2p_diloco.metrics import MetricsWriter
+from p2p_diloco.swarm.progress import READY, TRAINING, LEFT, RoundPlan, SwarmProgress, plan_round
+from p2p_diloco.sync.outer_sync import GroupMean, OuterSync, RoundFailed
+from p2p_diloco.sync.state_transfer import download_global_state
+from p2p_diloco.train.checkpoint import load_checkpoint, save_checkpoint
+from p2p_diloco.train.inner import InnerTrainer
+from p2p_diloco.train.model import trainable_parameters
+from p2p_diloco.train.outer import GlobalModel
+
+logger = logging.getLogger(__name__)
+
+
+class DiLoCoPeer:
+    """One training peer: a model, its inner trainer, θ_global, and its link to the swarm."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        model: torch.nn.Module,
+        batches: Iterator[torch.Tensor],
+        dht: DHT,
+        metrics: Optional[MetricsWriter] = None,
+        stop_event: Optional[threading.Event] = None,
+    ):
+        self.cfg = cfg
+        self.model = model
+        self.local_params = trainable_parameters(model)
+        self.inner = InnerTrainer(model, cfg.inner, batches)
+        self.global_model = GlobalModel(self.local_params, cfg.outer)
+        self.peer_id = dht.peer_id.to_base58()
+        self.metrics = metrics or MetricsWriter(None, self.peer_id)
+        self.stop_event = stop_event or threading.Event()
+        self._state_lock = threading.Lock()  # guards θ_global while a joiner downloads it
+        self.checkpoint_dir = cfg.swarm.checkpoint_dir or None
+        self.sha256 = self.global_model.sha256()
+        self.last_group_size = 1
+        self.progress = SwarmProgress(dht, cfg.run.name, cfg.swarm.progress_ttl)
+        self.sync = OuterSync(
+            dht, cfg.run.name, [p.shape for p in self.local_params], cfg.swarm, state_provider=self._serve_state
+        )
+
+    # ----- state shared with joiners -------------------------------------------------------------
+    def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
+        """Called by hivemind in a background thread when another peer downloads our state."""
+        with self._state_lock:
+            metadata = dict(
+                outer_step=self.global_model.outer_step, sha256=self.sha256, inner_steps=self.inner.steps_done
+            )
+            return metadata, [t.clone() for t in self.global_model.state_tensors()]
+
+    def _after_state_change(self) -> None:
+        self.sha256 = self.global_model.sha256()
+        # joiners download from the most advanced peer, and among those from the largest group's
+        self.sync.set_state_priority(self.global_model.outer_step * 1000.0 + min(self.last_group_size, 999))
+
+    # ----- the loop -------------------------------------------------------------------------------
+    def _stopping(self) -> bool:
+        return self.stop_event.is_set()
+
+    def run(self, max_outer_steps: Optional[int] = None) -> None:
+        """Train until stopped, or until θ_global reaches outer step `max_outer_steps`."""
+        try:
+            self._join()
+            while not self._stopping():
+                if max_outer_steps is not None and self.global_model.outer_step >= max_outer_steps:
+                    break
+                plan = plan_round(self.progress.fetch(), self.global_model.outer_step, self.sha256)
+                if plan.action == "load" and self._load_from_peers(plan):
+                    continue
+                self._round()
+        finally:
+            self._leave()
+
+    def _join(self) -> None:
+        restored = self._restore_checkpoint()
+        self._after_state_change()
+        self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
+        self.metrics.write(
+            "join", outer_step=self.global_model.outer_step, global_sha256=self.sha256, from_checkpoint=restored
+        )
+        logger.info("joined at outer step %d (%s)", self.global_model.outer_step, "checkpoint" if restored else "fresh")
+
+    def _round(self) -> None:
+        step = self.global_model.outer_step
+        self.progress.publish(step, self.sha256, TRAINING)
+        losses, samples = [], 0
+        for _ in range(self.cfg.inner.steps_per_outer):
+            if self._stopping():
+                return
+            loss, n = self.inner.step()
+            losses.append(loss)
+            samples += n
+        mean_loss = sum(losses) / len(losses)
+        self.progress.publish(step, self.sha256, READY, samples)
+        records = self.progress.wait_for_groupmates(step, self.cfg.swarm.round_wait_timeout)
+        if any(r.outer_step > step for r in records.values()):
+            logger.info("the swarm moved past outer step %d while this peer trained; catching up", step)
+            return
+        groupmates = [r for r in records.values() if r.outer_step == step and r.peer_id != self.peer_id]
+        pseudo_gradient = self.global_model.pseudo_gradient(self.local_params)
+        if groupmates:
+            try:
+                result = self.sync.average(pseudo_gradient, samples, step, should_stop=self._stopping)
+            except RoundFailed as e:
+                logger.warning("outer step %d: %s; applying nothing this round", step, e)
+                self.metrics.write("round_failed", outer_step=step, reason=str(e))
+                return
+        else:
+            result = GroupMean(pseudo_gradient, 1, samples, [self.peer_id])
+        self._apply(result, samples, mean_loss)
+
+    def _apply(self, result: GroupMean, samples: int, mean_loss: float) -> None:
+        with self._state_lock:
+            self.global_model.apply(result.mean)
+            self.global_model.copy_to(self.local_params)
+            self.last_group_size = result.group_size
+            self._after_state_change()
+        step = self.global_model.outer_step
+        self.progress.publish(step, self.sha256, TRAINING)
+        traffic = self.sync.averager.traffic
+        self.metrics.write(
+            "outer_step",
+            outer_step=step,
+            group_size=result.group_size,
+            group_samples=result.group_samples,
+            samples=samples,
+            loss=mean_loss,
+            global_sha256=self.sha256,
+            bytes_sent=traffic.sent,
+            bytes_received=traffic.received,
+            inner_steps=self.inner.steps_done,
+            lr=self.inner.scheduler.get_last_lr()[0],
+        )
+        logger.info(
+            "outer step %d: group of %d, %d samples, loss %.4f, global %s",
+            step, result.group_size, result.group_samples, mean_loss, self.sha256[:12],
+        )
+        self._save_checkpoint()
+
+    # ----- catching up ----------------------------------------------------------------------------
+    def _load_from_peers(self, plan: RoundPlan) -> bool:
+        logger.info("loading global state from peers: %s", plan.reason)
+        self.sync.averager.allow_state_sharing = False  # nobody should copy a state we are replacing
+        try:
+            state = download_global_state(
+                self.sync,
+                num_params=len(self.local_params),
+                min_step=plan.target_step,
+                want_sha256=plan.target_sha256,
+                timeout=self.cfg.swarm.state_download_timeout,
+            )
+        finally:
+            self.sync.averager.allow_state_sharing = True
+        if state is None:
+            logger.warning("could not download the global state; training on from outer step %d",
+                           self.global_model.outer_step)
+            return False
+        with self._state_lock:
+            self.global_model.load_state_tensors(state.tensors, state.outer_step)
+            self.global_model.copy_to(self.local_params)
+            self.inner.fast_forward_schedule(state.inner_steps)
+            self._after_state_change()
+        self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
+        self.metrics.write("state_loaded", outer_step=state.outer_step, global_sha256=self.sha256, reason=plan.reason)
+        logger.info("loaded global state at outer step %d (%s)", state.outer_step, self.sha256[:12])
+        self._save_checkpoint()
+        return True
+
+    # ----- checkpoints ----------------------------------------------------------------------------
+    def _save_checkpoint(self) -> None:
+        if not self.checkpoint_dir:
+            return
+        with self._state_lock:
+            state = dict(
+                outer_step=self.global_model.outer_step,
+                sha256=self.sha256,
+                inner_steps=self.inner.steps_done,
+                global_state=[t.clone() for t in self.global_model.state_tensors()],
+                inner_optimizer=self.inner.optimizer.state_dict(),
+            )
+        save_checkpoint(self.checkpoint_dir, state)
+
+    def _restore_checkpoint(self) -> bool:
+        if not self.checkpoint_dir:
+            return False
+        state = load_checkpoint(self.checkpoint_dir)
+        if state is None:
+            return False
+        with self._state_lock:
+            self.global_model.load_state_tensors(state["global_state"], state["outer_step"])
+            self.global_model.copy_to(self.local_params)
+            self.inner.optimizer.load_state_dict(state["inner_optimizer"])
+            self.inner.fast_forward_schedule(state["inner_steps"])
+        return True
+
+    def _leave(self) -> None:
+        """Tell the swarm this peer is gone, then stop the averager (the caller stops the DHT)."""
+        try:
+            self.progress.publish(self.global_model.outer_step, self.sha256, LEFT)
+        except Exception as e:  # leaving must not fail because the DHT is already unreachable
+            logger.debug("could not publish the leave record: %s", e)
+        self.metrics.write("exit", outer_step=self.global_model.outer_step, global_sha256=self.sha256)
+        self.sync.shutdown()
