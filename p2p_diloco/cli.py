@@ -89,7 +89,7 @@ def peer(config_path, host, port, announce_ip, identity_path, initial_peers, ver
 @main.command()
 @click.option("--peers", "num_peers", default=3, show_default=True, type=click.IntRange(1, 16),
               help="Number of peer processes to start.")
-@click.option("--outer-steps", default=8, show_default=True, type=click.IntRange(1),
+@click.option("--outer-steps", default=16, show_default=True, type=click.IntRange(1),
               help="Outer steps to train for.")
 @click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Run config (default: peers/demo.toml).")

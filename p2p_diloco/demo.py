@@ -1,0 +1,199 @@
+"""`p2p-diloco demo`: a whole swarm on one machine, offline, through the real CLI.
+
+Starts a bootstrap node and N `p2p-diloco peer` processes on 127.0.0.1, waits until each has taken
+the requested number of outer steps, stops every process it started, then evaluates θ_global on
+held-out text and writes ``summary.json`` and ``loss.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from p2p_diloco.metrics import read_metrics
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "peers" / "demo.toml"
+
+
+def cli_command(*args: str) -> list[str]:
+    """The `p2p-diloco` command line, run with this interpreter (works without the entry point on PATH)."""
+    return [sys.executable, "-m", "p2p_diloco.cli", *args]
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM, wait, then SIGKILL: never leave a process (or its p2pd daemon) behind."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def start_bootstrap(log_dir: Path, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """A bootstrap node on a free loopback port; returns the process and its first multiaddr."""
+    err = open(log_dir / "bootstrap.log", "w")
+    proc = subprocess.Popen(
+        cli_command("bootstrap", "--host", "127.0.0.1", "--port", "0"),
+        stdout=subprocess.PIPE, stderr=err, text=True,
+    )
+    deadline = time.monotonic() + timeout_s
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    while time.monotonic() < deadline:
+        if selector.select(timeout=1.0):
+            line = proc.stdout.readline().strip()
+            if line.startswith("/"):
+                return proc, line
+        if proc.poll() is not None:
+            break
+    stop_process(proc)
+    raise RuntimeError(f"the bootstrap node did not print its address within {timeout_s:.0f} s; see {err.name}")
+
+
+def start_peer(config: Path, maddr: str, out_dir: Path, index: int, max_outer_steps: int) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    log = open(out_dir / f"peer-{index}.log", "w")
+    return subprocess.Popen(
+        cli_command(
+            "peer", "--config", str(config), "--host", "127.0.0.1", "--initial-peers", maddr,
+            "--metrics-file", str(out_dir / f"peer-{index}.metrics.jsonl"),
+            "--checkpoint-dir", str(out_dir / f"peer-{index}"),
+            "--max-outer-steps", str(max_outer_steps),
+        ),
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+
+
+def wait_all(procs: list[subprocess.Popen], deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        if all(p.poll() is not None for p in procs):
+            return True
+        time.sleep(1.0)
+    return False
+
+
+def evaluate(config_path: Path, checkpoint_dirs: list[Path]) -> tuple[float, Optional[float]]:
+    """Held-out loss of the initial model and of the final θ_global (from the newest checkpoint)."""
+    from p2p_diloco.config import load_config
+    from p2p_diloco.train.checkpoint import load_checkpoint
+    from p2p_diloco.train.data import TextData
+    from p2p_diloco.train.model import build_model, evaluate_loss, trainable_parameters
+
+    cfg = load_config(config_path)
+    data = TextData(cfg.data)
+    model = build_model(cfg.model, data.vocab_size, cfg.run.seed)
+    initial = evaluate_loss(model, data.heldout)
+    checkpoints = [c for c in (load_checkpoint(d) for d in checkpoint_dirs) if c is not None]
+    if not checkpoints:
+        return initial, None
+    newest = max(checkpoints, key=lambda c: c["outer_step"])
+    params = trainable_parameters(model)
+    for p, t in zip(params, newest["global_state"][: len(params)]):
+        p.data.copy_(t)
+    return initial, evaluate_loss(model, data.heldout)
+
+
+def summarize(out_dir: Path, num_peers: int, initial: float, final: Optional[float], wall_s: float) -> dict:
+    peers = []
+    total_sent = 0
+    for i in range(num_peers):
+        path = out_dir / f"peer-{i}.metrics.jsonl"
+        records = read_metrics(path) if path.exists() else []
+        steps = [r for r in records if r["event"] == "outer_step"]
+        total_sent += steps[-1]["bytes_sent"] if steps else 0
+        peers.append(dict(
+            peer_id=records[0]["peer_id"] if records else None,
+            outer_steps=len(steps),
+            final_outer_step=steps[-1]["outer_step"] if steps else 0,
+            final_global_sha256=steps[-1]["global_sha256"] if steps else None,
+            final_loss=steps[-1]["loss"] if steps else None,
+        ))
+    return dict(
+        peers=peers,
+        all_final_hashes_equal=len({p["final_global_sha256"] for p in peers}) == 1,
+        initial_eval_loss=initial,
+        final_eval_loss=final,
+        total_bytes_sent=total_sent,
+        wall_seconds=wall_s,
+    )
+
+
+def plot_losses(out_dir: Path, num_peers: int, summary: dict) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i in range(num_peers):
+        path = out_dir / f"peer-{i}.metrics.jsonl"
+        steps = [r for r in read_metrics(path) if r["event"] == "outer_step"] if path.exists() else []
+        ax.plot([r["outer_step"] for r in steps], [r["loss"] for r in steps], marker="o", label=f"peer {i} (train)")
+    if summary["final_eval_loss"] is not None:
+        last = max(p["final_outer_step"] for p in summary["peers"])
+        ax.plot([0, last], [summary["initial_eval_loss"], summary["final_eval_loss"]], "k--", marker="s",
+                label="held-out, θ_global")
+    ax.set_xlabel("outer step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title("p2p-diloco demo")
+    ax.legend()
+    fig.tight_layout()
+    path = out_dir / "loss.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run_demo(num_peers: int, outer_steps: int, config_path: Optional[str], out: str, timeout_s: float) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    config = Path(config_path) if config_path else DEFAULT_CONFIG
+    if not config.exists():
+        print(f"error: no run config at {config}; pass --config peers/demo.toml from a clone", file=sys.stderr)
+        return 2
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in list(out_dir.glob("peer-*.metrics.jsonl")) + list(out_dir.glob("peer-*/checkpoint.pt")):
+        stale.unlink()  # a previous demo's files would be resumed from or mixed into the summary
+
+    from p2p_diloco.config import load_config
+    from p2p_diloco.train.data import TextData
+
+    TextData(load_config(config).data)  # train and cache the tokenizer once, before the peers need it
+    started = time.monotonic()
+    bootstrap, maddr = start_bootstrap(out_dir)
+    peers: list[subprocess.Popen] = []
+    try:
+        logger.info("bootstrap node at %s; starting %d peers", maddr, num_peers)
+        peers = [start_peer(config, maddr, out_dir, i, outer_steps) for i in range(num_peers)]
+        finished = wait_all(peers, started + timeout_s)
+        if not finished:
+            logger.error("peers did not finish within %d s; stopping them", timeout_s)
+    finally:
+        for proc in peers:
+            stop_process(proc)
+        stop_process(bootstrap)
+    wall_s = time.monotonic() - started
+    failed = [i for i, p in enumerate(peers) if p.returncode != 0]
+    initial, final = evaluate(config, [out_dir / f"peer-{i}" for i in range(num_peers)])
+    summary = summarize(out_dir, num_peers, initial, final, wall_s)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot = plot_losses(out_dir, num_peers, summary)
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {out_dir / 'summary.json'} and {plot}")
+    if failed or not finished:
+        print(f"error: peers {failed} exited with an error; see {out_dir}/peer-*.log", file=sys.stderr)
+        return 1
+    return 0

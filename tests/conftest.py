@@ -1,0 +1,108 @@
+"""Shared pieces for the tests: a tiny run config and processes that are always stopped by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from p2p_diloco.config import Config, config_from_dict
+
+REPO = Path(__file__).resolve().parent.parent
+
+TINY = {
+    "run": {"name": "test", "seed": 0},
+    "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
+              "max_position_embeddings": 64},
+    "data": {"source": "pydoc", "vocab_size": 300, "seq_len": 32, "max_documents": 24},
+    "inner": {"lr": 3e-3, "warmup_steps": 2, "total_steps": 400, "batch_size": 4, "steps_per_outer": 5},
+    "outer": {"lr": 0.7, "momentum": 0.9},
+    "swarm": {"matchmaking_time": 2.0, "request_timeout": 1.0, "round_wait_timeout": 20.0,
+              "allreduce_timeout": 30.0, "next_chunk_timeout": 5.0, "state_download_timeout": 30.0,
+              "progress_ttl": 30.0},
+}
+
+
+def tiny_config(**sections) -> Config:
+    raw = {name: dict(values) for name, values in TINY.items()}
+    for name, values in sections.items():
+        raw[name].update(values)
+    return config_from_dict(raw)
+
+
+def write_toml(path: Path, raw: dict) -> Path:
+    lines = []
+    for section, values in raw.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {value!r}" if not isinstance(value, str) else f'{key} = "{value}"')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path_factory, monkeypatch):
+    """Tokenizers are cached per test session, not in the user's home."""
+    monkeypatch.setenv("P2P_DILOCO_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+class Processes:
+    """Starts `p2p-diloco` processes and guarantees each is stopped (by PID) when the test ends."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "w")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "p2p_diloco.cli", *args],
+            stdout=subprocess.PIPE if name.startswith("bootstrap") else log,
+            stderr=log, text=True, env=dict(os.environ), cwd=self.log_dir,
+        )
+        proc.name = name
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text()
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+@pytest.fixture
+def processes(tmp_path):
+    procs = Processes(tmp_path)
+    yield procs
+    procs.stop_all()
+
+
+def read_first_line(proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if selector.select(timeout=1.0):
+            line = proc.stdout.readline().strip()
+            if line:
+                return line
+        assert proc.poll() is None, f"{proc.name} exited with {proc.returncode}"
+    raise TimeoutError(f"{proc.name} printed nothing within {timeout_s} s")

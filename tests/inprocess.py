@@ -1,0 +1,67 @@
+"""Real DiLoCo peers inside the test process: each has its own DHT node and averager on loopback."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+
+from p2p_diloco.config import Config
+from p2p_diloco.swarm.node import start_dht, visible_maddrs
+from p2p_diloco.train.diloco import DiLoCoPeer
+from p2p_diloco.train.model import build_model
+
+
+@contextmanager
+def inprocess_peers(cfg: Config, vocab_size: int, batch_lists: Sequence[list[torch.Tensor]]):
+    """One DiLoCoPeer per batch list, all in one DHT; every DHT is shut down on exit."""
+    dhts = []
+    try:
+        for _ in batch_lists:
+            dhts.append(start_dht("127.0.0.1", 0, initial_peers=visible_maddrs(dhts[0]) if dhts else ()))
+        peers = [
+            DiLoCoPeer(cfg, build_model(cfg.model, vocab_size, cfg.run.seed), iter(batches), dht)
+            for dht, batches in zip(dhts, batch_lists)
+        ]
+        yield peers
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+def run_in_threads(peers: Sequence[DiLoCoPeer], max_outer_steps: int, timeout_s: float = 240.0) -> None:
+    errors: list[BaseException] = []
+
+    def target(peer: DiLoCoPeer) -> None:
+        try:
+            peer.run(max_outer_steps)
+        except BaseException as e:  # surfaced in the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(peer,), daemon=True) for peer in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if any(t.is_alive() for t in threads):
+        for peer in peers:
+            peer.stop_event.set()
+        for t in threads:
+            t.join(30)
+        raise TimeoutError(f"peers did not reach outer step {max_outer_steps} within {timeout_s} s")
+    if errors:
+        raise errors[0]
+
+
+def fixed_batches(num_peers: int, num_batches: int, batch_size: int, seq_len: int, vocab: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randint(0, vocab, (batch_size, seq_len), generator=generator) for _ in range(num_batches)]
+        for _ in range(num_peers)
+    ]
+
+
+def params_of(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in tensors]

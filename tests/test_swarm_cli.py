@@ -1,0 +1,52 @@
+"""A real swarm through the CLI: a bootstrap node and peer processes on 127.0.0.1."""
+
+import pytest
+
+from tests.swarm_helpers import (
+    hashes_by_step, outer_steps, start_bootstrap, start_peer, tiny_config_file, wait_until,
+)
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
+
+
+def test_three_peers_agree_after_every_outer_step_and_loss_falls(processes, tmp_path):
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10})
+    maddr = start_bootstrap(processes)
+    metrics = [start_peer(processes, f"peer{i}", config, maddr, "--max-outer-steps", "4") for i in range(3)]
+    peers = processes.procs[1:]
+    wait_until(lambda: all(p.poll() is not None for p in peers), 300, "three peers to take 4 outer steps")
+    assert [p.returncode for p in peers] == [0, 0, 0], [processes.log(p.name)[-2000:] for p in peers]
+
+    by_step = hashes_by_step(metrics)
+    assert sorted(by_step) == [1, 2, 3, 4]
+    for step, hashes in by_step.items():
+        assert len(hashes) == 1, f"peers disagree after outer step {step}: {hashes}"
+    for path in metrics:
+        records = outer_steps(path)
+        steps = [r["outer_step"] for r in records]
+        # a peer whose process started after the others' first round joins by loading their state
+        assert steps == list(range(steps[0], 5)) and len(steps) >= 3, steps
+        assert records[-1]["group_size"] == 3 and records[-2]["group_size"] == 3
+        assert records[-1]["loss"] < records[0]["loss"] - 0.1
+        assert records[-1]["bytes_sent"] > records[0]["bytes_sent"] > 0
+        for field in ("peer_id", "samples", "bytes_received", "time"):
+            assert field in records[0]
+
+
+def test_late_joiner_loads_the_state_and_then_agrees(processes, tmp_path):
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10})
+    maddr = start_bootstrap(processes)
+    early = [start_peer(processes, f"peer{i}", config, maddr) for i in range(2)]
+    wait_until(lambda: all(len(outer_steps(m)) >= 2 for m in early), 240, "two outer steps of the first peers")
+
+    late = start_peer(processes, "late", config, maddr)
+    wait_until(lambda: len(outer_steps(late)) >= 2, 240, "two outer steps of the late joiner")
+
+    from p2p_diloco.metrics import read_metrics
+    events = [r["event"] for r in read_metrics(late)]
+    assert events[0] == "join" and "state_loaded" in events
+    loaded = next(r for r in read_metrics(late) if r["event"] == "state_loaded")
+    assert loaded["outer_step"] >= 2
+    by_step = hashes_by_step([*early, late])
+    for record in outer_steps(late):
+        assert by_step[record["outer_step"]] == {record["global_sha256"]}, f"late joiner differs at {record}"
