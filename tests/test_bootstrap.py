@@ -1,0 +1,51 @@
+"""The bootstrap node: copyable multiaddrs, a stable identity, and a clean stop with its p2pd daemon."""
+
+import os
+import signal
+import subprocess
+
+import pytest
+
+from tests.conftest import read_first_line
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+
+
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    children = [int(x) for x in out.split()]
+    return children + [d for c in children for d in descendants(c)]
+
+
+def p2pd_descendants(pid: int) -> list[int]:
+    """hivemind runs the DHT in a child process, which runs the p2pd daemon."""
+    found = []
+    for child in descendants(pid):
+        try:
+            cmdline = open(f"/proc/{child}/cmdline", "rb").read().decode(errors="replace")
+        except FileNotFoundError:
+            continue
+        if "p2pd" in cmdline:
+            found.append(child)
+    return found
+
+
+def test_identity_file_keeps_the_peer_id_and_sigterm_stops_p2pd(processes, tmp_path):
+    key = tmp_path / "bootstrap.key"
+    first = processes.start("bootstrap-1", "bootstrap", "--host", "127.0.0.1", "--port", "0",
+                            "--identity-path", str(key))
+    maddr_1 = read_first_line(first)
+    daemons = p2pd_descendants(first.pid)
+    assert daemons, "the bootstrap node should run a p2pd daemon"
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(10) == 0
+    for pid in daemons:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+    second = processes.start("bootstrap-2", "bootstrap", "--host", "127.0.0.1", "--port", "0",
+                             "--identity-path", str(key))
+    maddr_2 = read_first_line(second)
+    assert maddr_1.split("/p2p/")[1] == maddr_2.split("/p2p/")[1]
+    second.send_signal(signal.SIGINT)
+    assert second.wait(10) == 0

@@ -1,0 +1,74 @@
+"""The CLI refuses bad input with one clear line and a non-zero exit; every --help works."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, TINY, write_toml
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run_cli(*args, cwd=None, timeout=90):
+    return subprocess.run([sys.executable, "-m", "p2p_diloco.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+@pytest.mark.parametrize("command", [[], ["bootstrap"], ["peer"], ["demo"]])
+def test_help_of_every_command(command):
+    result = run_cli(*command, "--help")
+    assert result.returncode == 0
+    assert "Usage:" in result.stdout
+
+
+def test_help_documents_the_shared_network_flags():
+    for command in ("bootstrap", "peer"):
+        out = run_cli(command, "--help").stdout
+        for flag in ("--host", "--port", "--announce-ip", "--identity-path", "--initial-peers"):
+            assert flag in out, (command, flag)
+    out = run_cli("peer", "--help").stdout
+    for flag in ("--config", "--metrics-file", "--max-outer-steps", "--device"):
+        assert flag in out
+
+
+def test_bad_config_value_exits_nonzero_naming_the_key(tmp_path):
+    raw = {name: dict(values) for name, values in TINY.items()}
+    raw["inner"]["lr"] = -0.5
+    config = write_toml(tmp_path / "bad.toml", raw)
+    result = run_cli("peer", "--config", str(config), "--host", "127.0.0.1")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: config: inner.lr = -0.5 is invalid: must be a number > 0"
+    )
+
+
+def test_unknown_config_key_exits_nonzero(tmp_path):
+    config = tmp_path / "typo.toml"
+    config.write_text("[outer]\nlearning_rate = 0.7\n")
+    result = run_cli("peer", "--config", str(config))
+    assert result.returncode == 2
+    assert "unknown key outer.learning_rate" in result.stderr
+
+
+@pytest.mark.parametrize("maddr", ["/ip4/127.0.0.1/tcp/31337", "not-a-multiaddr", "/ip4/999.1.1.1/tcp/1/p2p/x"])
+def test_bad_multiaddr_exits_nonzero(maddr):
+    for command in (["bootstrap", "--host", "127.0.0.1", "--port", "0"],
+                    ["peer", "--config", str(REPO / "peers" / "demo.toml"), "--host", "127.0.0.1"]):
+        result = run_cli(*command, "--initial-peers", maddr)
+        assert result.returncode == 2, result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: --initial-peers") and "is not a peer multiaddr" in last
+
+
+def test_announce_ip_needs_a_fixed_port():
+    result = run_cli("bootstrap", "--host", "127.0.0.1", "--port", "0", "--announce-ip", "127.0.0.1")
+    assert result.returncode == 2
+    assert "--announce-ip needs a fixed --port" in result.stderr
+
+
+def test_unreachable_initial_peer_is_a_clear_error():
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWKXws21AxPSSvaJ2Z9MtftqvxNKLssc8Z3LRXZsbsejk1"
+    result = run_cli("bootstrap", "--host", "127.0.0.1", "--port", "0", "--initial-peers", dead)
+    assert result.returncode == 3
+    assert "could not join the swarm through" in result.stderr

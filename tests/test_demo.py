@@ -1,0 +1,34 @@
+"""`p2p-diloco demo`, the README's main command, end to end on a small setting."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import TINY, write_toml
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
+
+
+def test_demo_writes_summary_and_plot(tmp_path):
+    raw = {name: dict(values) for name, values in TINY.items()}
+    raw["inner"]["steps_per_outer"] = 10
+    config = write_toml(tmp_path / "run.toml", raw)
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "p2p_diloco.cli", "demo", "--peers", "2", "--outer-steps", "3",
+         "--config", str(config), "--out", str(out), "--timeout", "300"],
+        capture_output=True, text=True, timeout=380,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["peers"]) == 2
+    for peer in summary["peers"]:
+        assert peer["peer_id"].startswith("12D3KooW")
+        assert peer["final_outer_step"] == 3 and peer["outer_steps"] >= 1
+        assert peer["final_loss"] is not None
+    assert summary["all_final_hashes_equal"]
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert summary["total_bytes_sent"] > 0 and summary["wall_seconds"] > 0
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,36 @@
+"""How a peer decides, from the progress records alone, to train or to load the agreed state."""
+
+from p2p_diloco.swarm.progress import READY, TRAINING, PeerProgress, agreed_sha256, plan_round
+
+
+def rec(peer, step, sha, phase=TRAINING):
+    return PeerProgress(peer, step, sha, phase)
+
+
+def test_in_step_peer_trains():
+    records = {p: rec(p, 3, "aa") for p in "abc"}
+    assert plan_round(records, 3, "aa").action == "train"
+
+
+def test_behind_peer_loads_the_frontier():
+    records = {"a": rec("a", 5, "ff"), "b": rec("b", 5, "ff"), "me": rec("me", 2, "00")}
+    plan = plan_round(records, 2, "00")
+    assert (plan.action, plan.target_step, plan.target_sha256) == ("load", 5, "ff")
+
+
+def test_minority_state_at_the_same_step_loads_the_majority():
+    records = {"a": rec("a", 4, "bb"), "b": rec("b", 4, "bb", READY), "me": rec("me", 4, "cc")}
+    plan = plan_round(records, 4, "cc")
+    assert (plan.action, plan.target_sha256) == ("load", "bb")
+    assert plan_round(records, 4, "bb").action == "train"
+
+
+def test_ties_are_broken_the_same_way_everywhere():
+    records = {"a": rec("a", 1, "11"), "b": rec("b", 1, "22")}
+    assert agreed_sha256(records, 1) == "22"
+    assert plan_round(records, 1, "11").action == "load"
+    assert plan_round(records, 1, "22").action == "train"
+
+
+def test_alone_trains():
+    assert plan_round({}, 0, "x").action == "train"
