@@ -25,7 +25,7 @@ compared with the DiLoCo scaling-laws paper (arXiv 2503.09799): +2.0% loss at M 
 Wall times are training time only (no evaluation, no DHT start-up) with one torch thread per model;
 the M DiLoCo peers share the machine's cores, so its wall time is not a per-peer compute time.
 
-Run (about 15 minutes on 2 CPU cores)::
+Run (about 13 minutes on 2 CPU cores)::
 
     python benchmarks/quality.py
     python benchmarks/quality.py --text my.txt --outer-steps 4 --inner-steps 20 --out /tmp/bench
@@ -150,7 +150,9 @@ def train_one_model(
     return curve, train_seconds
 
 
-def run_data_parallel(cfg: Config, data: TextData, num_peers: int, num_steps: int, eval_every_steps: int) -> MethodResult:
+def run_data_parallel(
+    cfg: Config, data: TextData, num_peers: int, num_steps: int, eval_every_steps: int
+) -> MethodResult:
     global_batch_size = num_peers * cfg.inner.batch_size
     batches = data.peer_batches(global_batch_size, order_seed(cfg.run.seed, "bench-data-parallel"))
     curve, seconds = train_one_model(cfg, data, batches, num_steps, eval_every_steps)
@@ -245,7 +247,10 @@ def run_peers_in_threads(peers: Sequence[DiLoCoPeer], max_outer_steps: int, stop
     return time.perf_counter() - started
 
 
-def evaluate_snapshots(cfg: Config, data: TextData, history: GlobalModelHistory, tokens_per_outer_step: int) -> LossCurve:
+def evaluate_snapshots(
+    cfg: Config, data: TextData, history: GlobalModelHistory, tokens_per_outer_step: int
+) -> LossCurve:
+    """Held-out loss of the initial model and of every θ_global snapshot."""
     model = build_model(cfg.model, data.vocab_size, cfg.run.seed)
     curve = LossCurve()
     curve.add(0, evaluate_loss(model, data.heldout))
@@ -359,7 +364,10 @@ def plot_curves(results: Sequence[MethodResult], path: Path, title: str) -> None
 
 
 def print_summary(results: Sequence[MethodResult], num_peers: int) -> float:
-    """The table and the checks; returns DiLoCo's eval-loss gap to data-parallel in percent."""
+    """The table and the checks; returns DiLoCo's eval-loss gap to data-parallel in percent.
+
+    `results` in the order main() runs them: DiLoCo, data-parallel, single worker (same steps), ...
+    """
     diloco, data_parallel = results[0], results[1]
     gap_percent = percent_gap(diloco.final_eval_loss, data_parallel.final_eval_loss)
     computed_diloco_bytes = allreduce_bytes_per_peer(
@@ -376,13 +384,18 @@ def print_summary(results: Sequence[MethodResult], num_peers: int) -> float:
     print(f"DiLoCo swarm: {diloco.details['rounds_with_full_group']} of {diloco.details['rounds_recorded']} "
           f"peer-rounds in a group of all {num_peers} peers; θ_global identical on every peer after every outer "
           f"step: {diloco.details['identical_global_model_every_step']}")
+    same_steps_single = results[2]
+    print(f"DiLoCo vs the single worker with the same inner steps per worker: eval loss "
+          f"{percent_gap(diloco.final_eval_loss, same_steps_single.final_eval_loss):+.2f}%")
     if diloco.details["tokens_processed"] != data_parallel.total_tokens:
         print(f"warning: DiLoCo processed {diloco.details['tokens_processed']} tokens, "
               f"data-parallel {data_parallel.total_tokens}: not equal tokens")
     return gap_percent
 
 
-def save_outputs(out: Path, args: argparse.Namespace, cfg: Config, results: Sequence[MethodResult], gap_percent: float) -> None:
+def save_outputs(
+    out: Path, args: argparse.Namespace, cfg: Config, results: Sequence[MethodResult], gap_percent: float
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     num_params = results[1].details["num_params"]
     plot_curves(results, out / "eval_loss_vs_tokens.png",
@@ -411,7 +424,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peers", type=int, default=4, help="M, DiLoCo peers and data-parallel replicas")
     parser.add_argument("--seed", type=int, default=0, help="run seed: initial weights and data orders")
     parser.add_argument("--skip-equal-tokens-single", action="store_true",
-                        help="do not train the single worker for M× the steps (saves about a third of the time)")
+                        help="do not train the single worker for M× the steps (saves about 30%% of the run time)")
     args = parser.parse_args()
     for name in ("outer_steps", "inner_steps"):
         if getattr(args, name) < 1:
@@ -425,7 +438,8 @@ def main() -> None:
     args = parse_args()
     started = time.perf_counter()
     setup_logging(verbose=False)
-    torch.set_num_threads(1)  # the same per-model compute for every method; see the module docstring
+    # one thread per model for every method: on 2 cores a 2-thread batch-64 step measured 2.4× slower
+    torch.set_num_threads(1)
     steps_per_peer = args.outer_steps * args.inner_steps
     cfg = benchmark_config(args.text, args.seed, args.inner_steps, steps_per_peer)
     data = TextData(cfg.data)
@@ -435,7 +449,8 @@ def main() -> None:
     logger.info("data-parallel: %d steps", steps_per_peer)
     results.append(run_data_parallel(cfg, data, args.peers, steps_per_peer, args.inner_steps))
     logger.info("single worker: %d steps", steps_per_peer)
-    results.append(run_single_worker(cfg, data, steps_per_peer, args.inner_steps, f"same steps (1/{args.peers} tokens)"))
+    same_steps_label = f"same steps (1/{args.peers} tokens)"
+    results.append(run_single_worker(cfg, data, steps_per_peer, args.inner_steps, same_steps_label))
     if not args.skip_equal_tokens_single:
         logger.info("single worker, equal tokens: %d steps", args.peers * steps_per_peer)
         results.append(run_single_worker(cfg, data, args.peers * steps_per_peer, args.inner_steps, "equal tokens"))

@@ -136,6 +136,7 @@ class SwarmConfig:
     round_wait_timeout: float = non_negative(30.0)
     allreduce_timeout: float = positive(120.0)
     next_chunk_timeout: float = positive(10.0)
+    commit_timeout: float = positive(15.0)
     state_download_timeout: float = positive(120.0)
     progress_ttl: float = positive(60.0)
     checkpoint_dir: str = text("", allowed="a directory path ('' disables checkpoints)")

@@ -23,7 +23,7 @@ TINY = {
     "inner": {"lr": 3e-3, "warmup_steps": 2, "total_steps": 400, "batch_size": 4, "steps_per_outer": 5},
     "outer": {"lr": 0.7, "momentum": 0.9},
     "swarm": {"matchmaking_time": 2.0, "request_timeout": 1.0, "round_wait_timeout": 20.0,
-              "allreduce_timeout": 30.0, "next_chunk_timeout": 5.0, "state_download_timeout": 30.0,
+              "allreduce_timeout": 30.0, "next_chunk_timeout": 5.0, "commit_timeout": 10.0, "state_download_timeout": 30.0,
               "progress_ttl": 30.0},
 }
 
@@ -58,13 +58,14 @@ class Processes:
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
+        self.orphans: list[int] = []  # children of killed processes, stopped again at the end
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "w")
+    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "a")
         proc = subprocess.Popen(
             [sys.executable, "-m", "p2p_diloco.cli", *args],
             stdout=subprocess.PIPE if name.startswith("bootstrap") else log,
-            stderr=log, text=True, env=dict(os.environ), cwd=self.log_dir,
+            stderr=log, text=True, env={**os.environ, **(env or {})}, cwd=self.log_dir,
         )
         proc.name = name
         self.procs.append(proc)
@@ -76,14 +77,38 @@ class Processes:
     def stop_all(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a frozen process cannot handle SIGTERM
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 20
         for proc in self.procs:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+                self.kill(proc)
+        for pid in self.orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        """SIGKILL a process, then its children by PID (its DHT/averager processes and p2pd daemon)."""
+        children = descendants(proc.pid)
+        proc.kill()
+        proc.wait(10)
+        proc.killed = True
+        self.orphans.extend(children)
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    children = [int(x) for x in out.split()]
+    return children + [d for c in children for d in descendants(c)]
 
 
 @pytest.fixture

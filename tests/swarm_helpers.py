@@ -25,11 +25,25 @@ def tiny_config_file(directory: Path, **sections) -> Path:
     return write_toml(directory / "run.toml", raw)
 
 
-def start_peer(processes: Processes, name: str, config: Path, maddr: str, *extra: str) -> Path:
+def start_peer(processes: Processes, name: str, config: Path, maddr: str, *extra: str, faults: str = "") -> Path:
     metrics = processes.log_dir / f"{name}.jsonl"
     processes.start(name, "peer", "--config", str(config), "--host", "127.0.0.1", "--initial-peers", maddr,
-                    "--metrics-file", str(metrics), *extra)
+                    "--metrics-file", str(metrics), *extra, env={"P2P_DILOCO_FAULTS": faults} if faults else None)
     return metrics
+
+
+def last_step(metrics: Path) -> int:
+    records = outer_steps(metrics)
+    return records[-1]["outer_step"] if records else 0
+
+
+def assert_consistent(metrics_files: list[Path]) -> None:
+    """Every outer step that any peer recorded has one θ_global, and no loss is NaN."""
+    for step, hashes in hashes_by_step(metrics_files).items():
+        assert len(hashes) == 1, f"peers disagree after outer step {step}: {hashes}"
+    for path in metrics_files:
+        for record in outer_steps(path):
+            assert record["loss"] == record["loss"], f"NaN loss in {record}"
 
 
 def outer_steps(metrics: Path) -> list[dict]:

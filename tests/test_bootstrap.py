@@ -2,19 +2,12 @@
 
 import os
 import signal
-import subprocess
 
 import pytest
 
-from tests.conftest import read_first_line
+from tests.conftest import descendants, read_first_line
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
-
-
-def descendants(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    children = [int(x) for x in out.split()]
-    return children + [d for c in children for d in descendants(c)]
 
 
 def p2pd_descendants(pid: int) -> list[int]:

@@ -8,7 +8,7 @@ import torch
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.swarm.node import start_dht, visible_maddrs
 from p2p_diloco.sync.outer_sync import OuterSync
-from p2p_diloco.train.outer import tensors_sha256
+from p2p_diloco.hashing import tensors_sha256
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
@@ -27,7 +27,7 @@ def test_weighted_mean_is_bit_identical_on_all_peers():
         results = [None] * 4
 
         def average(i):
-            results[i] = syncs[i].average(inputs[i], samples[i], outer_step=0)
+            results[i] = syncs[i].average(inputs[i], samples[i], outer_step=0, global_sha256="same start")
 
         threads = [threading.Thread(target=average, args=(i,)) for i in range(4)]
         for t in threads:

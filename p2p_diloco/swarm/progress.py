@@ -17,6 +17,7 @@ From these records a peer decides (see :func:`plan_round`):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -41,22 +42,50 @@ class PeerProgress:
 
 
 class SwarmProgress:
-    """Reads and writes the run's progress records on the DHT."""
+    """Reads and writes the run's progress records on the DHT.
+
+    A background thread re-publishes this peer's latest record every ttl/3 seconds, so a record
+    outlives long inner phases, and vanishes within `ttl` of the peer crashing or freezing.
+    """
 
     def __init__(self, dht: DHT, run_name: str, ttl: float):
         self.dht = dht
         self.key = f"{run_name}_progress"
         self.ttl = ttl
         self.peer_id = dht.peer_id.to_base58()
+        self._latest: Optional[PeerProgress] = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._refresh_periodically, name="progress-heartbeat", daemon=True)
+        self._heartbeat.start()
 
     def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0) -> None:
         record = PeerProgress(self.peer_id, outer_step, sha256, phase, samples, time.time())
-        ttl = 5.0 if phase == LEFT else self.ttl
-        ok = self.dht.store(
-            self.key, value=asdict(record), subkey=self.peer_id, expiration_time=get_dht_time() + ttl
-        )
-        if not ok:
+        with self._lock:
+            self._latest = record
+            self._store(record)
+
+    def _store(self, record: PeerProgress) -> None:
+        ttl = 5.0 if record.phase == LEFT else self.ttl
+        try:
+            ok = self.dht.store(
+                self.key, value=asdict(record), subkey=self.peer_id, expiration_time=get_dht_time() + ttl
+            )
+        except Exception as e:  # the DHT process is gone (shutting down): nothing left to tell
+            logger.debug("could not store the progress record: %r", e)
+            return
+        if not ok and record.phase != LEFT:
             logger.warning("could not store this peer's progress record on the DHT")
+
+    def _refresh_periodically(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            with self._lock:
+                if self._latest is not None and self._latest.phase != LEFT:
+                    self._store(self._latest)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._heartbeat.join(timeout=5)
 
     def fetch(self) -> dict[str, PeerProgress]:
         """Live records of every peer, this one included (peers that left are omitted)."""
@@ -74,8 +103,10 @@ class SwarmProgress:
                 records[record.peer_id] = record
         return records
 
-    def wait_for_groupmates(self, outer_step: int, timeout: float, poll: float = 0.5) -> dict[str, PeerProgress]:
-        """Wait until no live peer is still training toward `outer_step + 1`, or `timeout` seconds.
+    def wait_for_groupmates(
+        self, outer_step: int, timeout: float, stop: threading.Event, poll: float = 0.5
+    ) -> dict[str, PeerProgress]:
+        """Wait until no live peer is still training toward `outer_step + 1`, `timeout` s, or `stop`.
 
         Returns the records seen last. Peers still training after the timeout are left behind:
         they catch up by downloading the state afterwards.
@@ -84,9 +115,8 @@ class SwarmProgress:
         while True:
             records = self.fetch()
             training = [r for r in records.values() if r.outer_step == outer_step and r.phase == TRAINING]
-            if not training or time.monotonic() >= deadline:
+            if not training or time.monotonic() >= deadline or stop.wait(poll):
                 return records
-            time.sleep(poll)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import multiprocessing as mp
 from typing import AsyncIterator, Optional, Sequence
 
@@ -34,6 +35,10 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+
+from p2p_diloco import faults
+
+logger = logging.getLogger(__name__)
 
 
 class PartialRoundError(RuntimeError):
@@ -69,8 +74,9 @@ class TrafficCounters:
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose output is the averaged tensor itself, identical on every peer."""
 
-    def __init__(self, *, traffic: "TrafficCounters", **kwargs):
+    def __init__(self, *, traffic: "TrafficCounters", fault_pause_s: float = 0.0, **kwargs):
         super().__init__(**kwargs)
+        self.fault_pause_s = fault_pause_s
         # a failed reducer's parts then keep the local input (not a zero delta): see PartialRoundError
         self.tensor_part_container.return_deltas = False
         self.traffic = traffic
@@ -123,6 +129,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 except BannedException:
                     break  # the sender was banned meanwhile: its remaining parts are not needed
                 parts_reduced += 1
+                if parts_reduced == 1 and self.fault_pause_s:
+                    logger.warning("fault injection: pausing mid all-reduce for %.1f s", self.fault_pause_s)
+                    await asyncio.sleep(self.fault_pause_s)
                 serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged_part, compression)
                 self.traffic.add(sent=len(serialized.buffer))
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
@@ -141,12 +150,14 @@ class ExactMeanAverager(DecentralizedAverager):
     def __init__(self, *args, state_provider=None, **kwargs):
         self._state_provider = state_provider
         self.traffic = TrafficCounters()  # created before the averager process forks, so both see it
+        self.rounds_started = 0  # counted in the averager process
         super().__init__(*args, **kwargs)
 
     def get_current_state(self):
         if self._state_provider is None:
             return super().get_current_state()
         metadata, tensors = self._state_provider()
+        faults.while_serving_state()
         return metadata, tensors, None
 
     async def _run_allreduce_inplace_(
@@ -161,8 +172,11 @@ class ExactMeanAverager(DecentralizedAverager):
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             traffic=self.traffic,
+            fault_pause_s=faults.allreduce_pause_s(self.rounds_started),
             **kwargs,
         )
+        self.rounds_started += 1
+        logger.info("all-reduce started: group of %d", len(group_info.peer_ids))
         assert group_id in self._running_groups, f"group {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -23,6 +25,8 @@ from hivemind import DHT
 from hivemind.averaging.matchmaking import MatchmakingException
 
 from p2p_diloco.config import SwarmConfig
+from p2p_diloco.hashing import tensors_sha256
+from p2p_diloco.sync.commit import RoundReports
 from p2p_diloco.sync.exact_allreduce import ExactMeanAverager
 
 logger = logging.getLogger(__name__)
@@ -37,7 +41,11 @@ class GroupMean:
     mean: list[torch.Tensor]  # the group's sample-weighted mean pseudo-gradient (fp32, CPU)
     group_size: int
     group_samples: int
-    peer_ids: list[str]
+    tokens: dict[str, str]  # each groupmate's peer ID -> the attempt token it announced
+
+    @property
+    def peer_ids(self) -> list[str]:
+        return sorted(self.tokens)
 
 
 class RoundFailed(RuntimeError):
@@ -65,6 +73,7 @@ class OuterSync:
     ):
         self.cfg = cfg
         self.peer_id = dht.peer_id.to_base58()
+        self.reports = RoundReports(dht, run_name, ttl=cfg.progress_ttl)
         buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
         self.averager = ExactMeanAverager(
             buffers,
@@ -89,9 +98,32 @@ class OuterSync:
         pseudo_gradient: Sequence[torch.Tensor],
         samples: int,
         outer_step: int,
-        should_stop: Callable[[], bool] = lambda: False,
+        global_sha256: str,
+        stop: Optional[threading.Event] = None,
     ) -> GroupMean:
-        """Average with whoever is at this outer step; raises RoundFailed if no agreed mean came out."""
+        """Average with the peers at this outer step that hold the same θ_global (`global_sha256`).
+
+        Returns only a mean that every groupmate holds too (see p2p_diloco.sync.commit); raises
+        RoundFailed otherwise, and then this peer must apply nothing.
+        """
+        stop = stop or threading.Event()
+        token = secrets.token_hex(8)  # names this attempt in the group's round reports
+        try:
+            result = self._all_reduce(pseudo_gradient, samples, outer_step, global_sha256, token, stop)
+        except RoundFailed:
+            self.reports.publish(outer_step, token, complete=False, mean_sha256=None)
+            raise
+        mean_sha256 = tensors_sha256(result.mean)
+        self.reports.publish(outer_step, token, complete=True, mean_sha256=mean_sha256)
+        groupmates = {pid: tok for pid, tok in result.tokens.items() if pid != self.peer_id}
+        void = self.reports.agree(outer_step, groupmates, mean_sha256, self.cfg.commit_timeout, stop)
+        if void is not None:
+            raise RoundFailed(f"round void: {void}", tensors_touched=True)
+        return result
+
+    def _all_reduce(
+        self, pseudo_gradient, samples: int, outer_step: int, global_sha256: str, token: str, stop: threading.Event
+    ) -> GroupMean:
         bits = format(outer_step % 2**STEP_KEY_BITS, f"0{STEP_KEY_BITS}b")
         self.averager.set_group_bits(bits)
         with self.averager.get_tensors() as buffers:
@@ -99,25 +131,25 @@ class OuterSync:
                 buffer.copy_(delta)
         timeout = self.cfg.matchmaking_time * 2 + self.cfg.request_timeout * 2 + self.cfg.allreduce_timeout
         control = self.averager.step(
-            gather=dict(samples=samples, outer_step=outer_step),
+            gather=dict(samples=samples, outer_step=outer_step, global_sha256=global_sha256, token=token),
             weight=float(samples),
             timeout=timeout,
             allow_retries=False,  # a retry after a broken all-reduce would average half-averaged values
             wait=False,
         )
-        gathered = self._wait(control, should_stop, deadline=time.monotonic() + timeout + self.cfg.allreduce_timeout)
+        gathered = self._wait(control, stop.is_set, deadline=time.monotonic() + timeout + self.cfg.allreduce_timeout)
         if gathered is None:
             raise RoundFailed("no group formed", tensors_touched=False)
-        steps = {meta["outer_step"] for meta in gathered.values()}
-        if steps != {outer_step}:
-            raise RoundFailed(f"groupmates were at outer steps {sorted(steps)}, not {outer_step}", tensors_touched=True)
+        starts = {(meta["outer_step"], meta["global_sha256"]) for meta in gathered.values()}
+        if starts != {(outer_step, global_sha256)}:
+            raise RoundFailed("groupmates started from different global models", tensors_touched=True)
         with self.averager.get_tensors() as buffers:
             mean = [b.clone() for b in buffers]
         return GroupMean(
             mean=mean,
             group_size=len(gathered),
             group_samples=sum(int(meta["samples"]) for meta in gathered.values()),
-            peer_ids=sorted(peer.to_base58() for peer in gathered),
+            tokens={peer.to_base58(): meta["token"] for peer, meta in gathered.items()},
         )
 
     def _wait(self, control, should_stop: Callable[[], bool], deadline: float):
@@ -142,12 +174,19 @@ class OuterSync:
         """Joiners download from the peer with the highest priority first."""
         self.averager.state_sharing_priority = priority
 
-    def download_state(self, timeout: float) -> Optional[tuple[dict, list[torch.Tensor]]]:
+    def download_state(
+        self, timeout: float, should_stop: Callable[[], bool] = lambda: False
+    ) -> Optional[tuple[dict, list[torch.Tensor]]]:
         """The global state of the peer with the highest priority that answers, or None."""
-        try:
-            return self.averager.load_state_from_peers(timeout=timeout)
-        except TimeoutError:
-            return None
+        future = self.averager.load_state_from_peers(wait=False, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not should_stop():
+            try:
+                return future.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                continue
+        future.cancel()
+        return None
 
     def shutdown(self) -> None:
         if self.averager.is_alive():

@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from p2p_diloco.sync.outer_sync import OuterSync
-from p2p_diloco.train.outer import tensors_sha256
+from p2p_diloco.hashing import tensors_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +35,16 @@ def download_global_state(
     min_step: int,
     want_sha256: Optional[str],
     timeout: float,
+    should_stop: Callable[[], bool] = lambda: False,
     attempts: int = 3,
 ) -> Optional[GlobalState]:
     """Download the state of a peer at outer step >= min_step; at exactly min_step, only want_sha256's."""
     deadline = time.monotonic() + timeout
     for attempt in range(attempts):
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if remaining <= 0 or should_stop():
             break
-        downloaded = sync.download_state(timeout=remaining)
+        downloaded = sync.download_state(timeout=remaining, should_stop=should_stop)
         if downloaded is None:
             logger.info("state download attempt %d: no peer served its state", attempt + 1)
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Iterator, Optional
 
 import torch
 from hivemind import DHT
 
+from p2p_diloco import faults
 from p2p_diloco.config import Config
 from p2p_diloco.metrics import MetricsWriter
 from p2p_diloco.swarm.progress import READY, TRAINING, LEFT, RoundPlan, SwarmProgress, plan_round
@@ -35,6 +37,8 @@ from p2p_diloco.train.model import trainable_parameters
 from p2p_diloco.train.outer import GlobalModel
 
 logger = logging.getLogger(__name__)
+
+ROUND_CHECK_PERIOD_S = 1.0  # how often the inner loop looks whether the swarm is ready to average
 
 
 class DiLoCoPeer:
@@ -111,15 +115,24 @@ class DiLoCoPeer:
         step = self.global_model.outer_step
         self.progress.publish(step, self.sha256, TRAINING)
         losses, samples = [], 0
+        next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
         for _ in range(self.cfg.inner.steps_per_outer):
             if self._stopping():
                 return
+            if losses and time.monotonic() >= next_check:
+                next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
+                if self._round_is_closing(step):
+                    logger.info("outer step %d: others are ready; contributing %d inner steps", step + 1, len(losses))
+                    break
             loss, n = self.inner.step()
+            faults.after_inner_step()
             losses.append(loss)
             samples += n
         mean_loss = sum(losses) / len(losses)
         self.progress.publish(step, self.sha256, READY, samples)
-        records = self.progress.wait_for_groupmates(step, self.cfg.swarm.round_wait_timeout)
+        records = self.progress.wait_for_groupmates(step, self.cfg.swarm.round_wait_timeout, self.stop_event)
+        if self._stopping():
+            return
         if any(r.outer_step > step for r in records.values()):
             logger.info("the swarm moved past outer step %d while this peer trained; catching up", step)
             return
@@ -127,14 +140,25 @@ class DiLoCoPeer:
         pseudo_gradient = self.global_model.pseudo_gradient(self.local_params)
         if groupmates:
             try:
-                result = self.sync.average(pseudo_gradient, samples, step, should_stop=self._stopping)
+                result = self.sync.average(pseudo_gradient, samples, step, self.sha256, stop=self.stop_event)
             except RoundFailed as e:
                 logger.warning("outer step %d: %s; applying nothing this round", step, e)
                 self.metrics.write("round_failed", outer_step=step, reason=str(e))
                 return
         else:
-            result = GroupMean(pseudo_gradient, 1, samples, [self.peer_id])
+            result = GroupMean(pseudo_gradient, 1, samples, {self.peer_id: "alone"})
         self._apply(result, samples, mean_loss)
+
+    def _round_is_closing(self, step: int) -> bool:
+        """The fastest peer at this step decides when the round ends: once one is ready, all stop.
+
+        Slower peers then contribute the inner steps they managed, weighted by their samples, so
+        a slow volunteer never makes the others wait for its full H steps.
+        """
+        return any(
+            r.peer_id != self.peer_id and (r.outer_step > step or (r.outer_step == step and r.phase == READY))
+            for r in self.progress.fetch().values()
+        )
 
     def _apply(self, result: GroupMean, samples: int, mean_loss: float) -> None:
         with self._state_lock:
@@ -175,6 +199,7 @@ class DiLoCoPeer:
                 min_step=plan.target_step,
                 want_sha256=plan.target_sha256,
                 timeout=self.cfg.swarm.state_download_timeout,
+                should_stop=self._stopping,
             )
         finally:
             self.sync.averager.allow_state_sharing = True
@@ -226,5 +251,6 @@ class DiLoCoPeer:
             self.progress.publish(self.global_model.outer_step, self.sha256, LEFT)
         except Exception as e:  # leaving must not fail because the DHT is already unreachable
             logger.debug("could not publish the leave record: %s", e)
+        self.progress.close()
         self.metrics.write("exit", outer_step=self.global_model.outer_step, global_sha256=self.sha256)
         self.sync.shutdown()

@@ -13,12 +13,12 @@ The outer optimizer is torch's SGD with Nesterov momentum, exactly the update th
 
 from __future__ import annotations
 
-import hashlib
 from typing import Sequence
 
 import torch
 
 from p2p_diloco.config import OuterConfig
+from p2p_diloco.hashing import tensors_sha256
 
 
 class GlobalModel:
@@ -80,10 +80,3 @@ class GlobalModel:
     def sha256(self) -> str:
         """sha256 of θ_global's fp32 bytes, parameters in their fixed order."""
         return tensors_sha256(self.params)
-
-
-def tensors_sha256(tensors: Sequence[torch.Tensor]) -> str:
-    digest = hashlib.sha256()
-    for t in tensors:
-        digest.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return digest.hexdigest()
