@@ -38,6 +38,15 @@ def install_stop_handlers() -> threading.Event:
     return stop
 
 
+def shutdown_dht(dht) -> None:
+    """Stop the DHT (and with it p2pd), then make sure no process this node started is left running."""
+    from p2p_diloco.process_tree import descendant_pids, stop_processes
+
+    children = descendant_pids(os.getpid())
+    dht.shutdown()
+    stop_processes(children)
+
+
 def _fail(message: str, code: int) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
@@ -66,7 +75,7 @@ def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose
         logger.info("bootstrap node is up; give peers one of the addresses above as --initial-peers")
         stop.wait()
     finally:
-        dht.shutdown()
+        shutdown_dht(dht)
         logger.info("bootstrap node stopped")
     return EXIT_OK
 
@@ -122,6 +131,6 @@ def run_peer(config_path, host, port, announce_ip, identity_path, initial_peers,
         trainer.run(max_outer_steps)
         metrics.close()
     finally:
-        dht.shutdown()
+        shutdown_dht(dht)
     logger.info("peer stopped")
     return EXIT_OK

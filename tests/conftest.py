@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from p2p_diloco.config import Config, config_from_dict
+from p2p_diloco.process_tree import descendant_pids
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -105,10 +106,7 @@ class Processes:
                 pass
 
 
-def descendants(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    children = [int(x) for x in out.split()]
-    return children + [d for c in children for d in descendants(c)]
+descendants = descendant_pids
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import signal
 import pytest
 
 from p2p_diloco.metrics import read_metrics
+from p2p_diloco.process_tree import is_running
 from tests.conftest import descendants
 from tests.swarm_helpers import (
     assert_consistent, last_step, outer_steps, start_bootstrap, start_peer, tiny_config_file, wait_until,
@@ -86,7 +87,8 @@ def test_freeze_mid_allreduce_then_resume(processes, tmp_path):
 
 
 def test_kill_while_serving_state(processes, tmp_path):
-    maddr, config, metrics = swarm(processes, tmp_path, 2, {0: "serve_state_delay=8", 1: "serve_state_delay=1"})
+    # each donor takes 2 s to serve (less than next_chunk_timeout): the kill lands mid-transfer
+    maddr, config, metrics = swarm(processes, tmp_path, 2, {0: "serve_state_delay=2", 1: "serve_state_delay=2"})
     wait_for_steps(metrics, 2)
     late = start_peer(processes, "late", config, maddr)
     servers = ["peer0", "peer1"]
@@ -97,6 +99,7 @@ def test_kill_while_serving_state(processes, tmp_path):
     survivor = [m for n, m in zip(servers, metrics) if n != server]
     wait_until(lambda: len(outer_steps(late)) >= 2, 240, "two outer steps of the joiner")
     assert "state_loaded" in [r["event"] for r in read_metrics(late)]
+    assert outer_steps(late)[-1]["group_size"] == 2, "the joiner should train with the surviving donor"
     assert_consistent([*survivor, late])
 
 
@@ -120,7 +123,7 @@ def test_clean_leave_on_sigterm(processes, tmp_path):
     leaver.send_signal(signal.SIGTERM)
     assert leaver.wait(10) == 0
     for pid in children:
-        assert not _alive(pid), f"child {pid} of the leaving peer is still running"
+        assert not is_running(pid), f"child {pid} of the leaving peer is still running"
     assert read_metrics(metrics[2])[-1]["event"] == "exit"
     at_leave = max(last_step(m) for m in metrics[:2])
     wait_for_steps(metrics[:2], at_leave + 2)
@@ -157,14 +160,3 @@ def test_bootstrap_killed_then_new_peer_joins_through_a_peer(processes, tmp_path
     wait_until(lambda: len(outer_steps(late)) >= 2, 240, "two outer steps of the new peer")
     assert "state_loaded" in [r["event"] for r in read_metrics(late)]
     assert_consistent([*metrics, late])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie still answers kill(0): look at its state
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

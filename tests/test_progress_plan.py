@@ -1,6 +1,6 @@
 """How a peer decides, from the progress records alone, to train or to load the agreed state."""
 
-from p2p_diloco.swarm.progress import READY, TRAINING, PeerProgress, agreed_sha256, plan_round
+from p2p_diloco.swarm.progress import LOADING, READY, TRAINING, PeerProgress, agreed_sha256, plan_round
 
 
 def rec(peer, step, sha, phase=TRAINING):
@@ -34,3 +34,10 @@ def test_ties_are_broken_the_same_way_everywhere():
 
 def test_alone_trains():
     assert plan_round({}, 0, "x").action == "train"
+
+
+def test_a_loading_peer_neither_sets_the_frontier_nor_votes():
+    # "c" and "e" announced they are downloading a state; the sha256 they publish is not that state's
+    records = {"a": rec("a", 7, "aa"), "b": rec("b", 7, "aa", READY), "c": rec("c", 7, "ff", LOADING),
+               "e": rec("e", 7, "ff", LOADING), "d": rec("d", 9, "99", LOADING)}
+    assert plan_round(records, 7, "aa").action == "train"

@@ -12,25 +12,28 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 def test_three_peers_agree_after_every_outer_step_and_loss_falls(processes, tmp_path):
     config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10})
     maddr = start_bootstrap(processes)
-    metrics = [start_peer(processes, f"peer{i}", config, maddr, "--max-outer-steps", "4") for i in range(3)]
+    metrics = [start_peer(processes, f"peer{i}", config, maddr, "--max-outer-steps", "6") for i in range(3)]
     peers = processes.procs[1:]
-    wait_until(lambda: all(p.poll() is not None for p in peers), 300, "three peers to take 4 outer steps")
+    wait_until(lambda: all(p.poll() is not None for p in peers), 360, "three peers to take 6 outer steps")
     assert [p.returncode for p in peers] == [0, 0, 0], [processes.log(p.name)[-2000:] for p in peers]
 
     by_step = hashes_by_step(metrics)
-    assert sorted(by_step) == [1, 2, 3, 4]
+    assert sorted(by_step) == [1, 2, 3, 4, 5, 6]
     for step, hashes in by_step.items():
         assert len(hashes) == 1, f"peers disagree after outer step {step}: {hashes}"
     for path in metrics:
         records = outer_steps(path)
         steps = [r["outer_step"] for r in records]
-        # a peer whose process started after the others' first round joins by loading their state
-        assert steps == list(range(steps[0], 5)) and len(steps) >= 3, steps
+        # a peer whose process started after the others' first rounds joins by loading their state
+        # (on a loaded machine, start-up alone can take a few rounds), then takes every outer step
+        assert steps == list(range(steps[0], 7)) and len(steps) >= 3, steps
         assert records[-1]["group_size"] == 3 and records[-2]["group_size"] == 3
-        assert records[-1]["loss"] < records[0]["loss"] - 0.1
         assert records[-1]["bytes_sent"] > records[0]["bytes_sent"] > 0
         for field in ("peer_id", "samples", "bytes_received", "time"):
             assert field in records[0]
+    losses_at = {step: [r["loss"] for m in metrics for r in outer_steps(m) if r["outer_step"] == step]
+                 for step in (1, 6)}
+    assert max(losses_at[6]) < min(losses_at[1]) - 0.1, losses_at
 
 
 def test_late_joiner_loads_the_state_and_then_agrees(processes, tmp_path):

@@ -28,7 +28,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 logger = logging.getLogger(__name__)
 
-TRAINING, READY, LEFT = "training", "ready", "left"
+TRAINING, READY, LOADING, LEFT = "training", "ready", "loading", "left"
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,9 @@ class PeerProgress:
     peer_id: str
     outer_step: int  # outer steps applied to this peer's θ_global
     sha256: str  # of that θ_global
-    phase: str  # TRAINING toward outer_step + 1, READY to average for it, or LEFT the swarm
+    # TRAINING toward outer_step + 1, READY to average for it, LOADING the swarm's state at outer_step
+    # (to train toward outer_step + 1 next; its sha256 is not yet that state's), or LEFT the swarm
+    phase: str
     samples: int = 0  # samples processed since the last outer step
     time: float = 0.0
 
@@ -66,10 +68,11 @@ class SwarmProgress:
             self._store(record)
 
     def _store(self, record: PeerProgress) -> None:
-        ttl = 5.0 if record.phase == LEFT else self.ttl
+        # hivemind keeps whichever value of a subkey expires last, so every record (a LEFT one too)
+        # must expire later than the one it replaces: all use the same ttl from "now"
         try:
             ok = self.dht.store(
-                self.key, value=asdict(record), subkey=self.peer_id, expiration_time=get_dht_time() + ttl
+                self.key, value=asdict(record), subkey=self.peer_id, expiration_time=get_dht_time() + self.ttl
             )
         except Exception as e:  # the DHT process is gone (shutting down): nothing left to tell
             logger.debug("could not store the progress record: %r", e)
@@ -106,15 +109,17 @@ class SwarmProgress:
     def wait_for_groupmates(
         self, outer_step: int, timeout: float, stop: threading.Event, poll: float = 0.5
     ) -> dict[str, PeerProgress]:
-        """Wait until no live peer is still training toward `outer_step + 1`, `timeout` s, or `stop`.
+        """Wait until no live peer is still training (or loading the state) toward `outer_step + 1`,
+        `timeout` s, or `stop`.
 
         Returns the records seen last. Peers still training after the timeout are left behind:
-        they catch up by downloading the state afterwards.
+        they catch up by downloading the state afterwards. Waiting for a loading peer keeps a swarm
+        whose rounds are shorter than a state download from running away from every joiner.
         """
         deadline = time.monotonic() + timeout
         while True:
             records = self.fetch()
-            training = [r for r in records.values() if r.outer_step == outer_step and r.phase == TRAINING]
+            training = [r for r in records.values() if r.outer_step == outer_step and r.phase in (TRAINING, LOADING)]
             if not training or time.monotonic() >= deadline or stop.wait(poll):
                 return records
 
@@ -138,6 +143,7 @@ def agreed_sha256(records: dict[str, PeerProgress], outer_step: int) -> Optional
 
 
 def plan_round(records: dict[str, PeerProgress], my_step: int, my_sha256: str) -> RoundPlan:
+    records = {pid: r for pid, r in records.items() if r.phase != LOADING}  # they hold no agreed state yet
     others = {pid: r for pid, r in records.items() if r.sha256 != my_sha256 or r.outer_step != my_step}
     frontier = max((r.outer_step for r in others.values()), default=my_step)
     if frontier > my_step:

@@ -28,7 +28,7 @@ from hivemind import DHT
 from p2p_diloco import faults
 from p2p_diloco.config import Config
 from p2p_diloco.metrics import MetricsWriter
-from p2p_diloco.swarm.progress import READY, TRAINING, LEFT, RoundPlan, SwarmProgress, plan_round
+from p2p_diloco.swarm.progress import LEFT, LOADING, READY, TRAINING, RoundPlan, SwarmProgress, plan_round
 from p2p_diloco.sync.outer_sync import GroupMean, OuterSync, RoundFailed
 from p2p_diloco.sync.state_transfer import download_global_state
 from p2p_diloco.train.checkpoint import load_checkpoint, save_checkpoint
@@ -191,6 +191,7 @@ class DiLoCoPeer:
     # ----- catching up ----------------------------------------------------------------------------
     def _load_from_peers(self, plan: RoundPlan) -> bool:
         logger.info("loading global state from peers: %s", plan.reason)
+        self.progress.publish(plan.target_step, self.sha256, LOADING)  # peers at that step wait for this one
         self.sync.averager.allow_state_sharing = False  # nobody should copy a state we are replacing
         try:
             state = download_global_state(
