@@ -27,6 +27,14 @@ def _stat_fields(pid: int) -> list[str] | None:
         return None
 
 
+def command_name(pid: int) -> str:
+    """The process's command name (at most 15 characters, as the kernel keeps it), or "" if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def descendant_pids(pid: int) -> list[int]:
     """Every live process below `pid` in the process tree, children before grandchildren."""
     children: dict[int, list[int]] = defaultdict(list)

@@ -122,8 +122,9 @@ def test_clean_leave_on_sigterm(processes, tmp_path):
     children = descendants(leaver.pid)
     leaver.send_signal(signal.SIGTERM)
     assert leaver.wait(10) == 0
-    for pid in children:
-        assert not is_running(pid), f"child {pid} of the leaving peer is still running"
+    # torch's shared-memory manager exits as its client does, a moment after: give it that moment
+    wait_until(lambda: not any(is_running(pid) for pid in children), 5,
+               f"the leaving peer's children {children} to exit", poll_s=0.1)
     assert read_metrics(metrics[2])[-1]["event"] == "exit"
     at_leave = max(last_step(m) for m in metrics[:2])
     wait_for_steps(metrics[:2], at_leave + 2)
