@@ -63,9 +63,11 @@ def print_maddrs(dht, prefix: str = "") -> None:
 
 def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose) -> int:
     setup_logging(verbose)
+    from p2p_diloco.process_tree import children_exit_with_this_process
     from p2p_diloco.swarm.node import NodeAddressError, start_dht
 
     stop = install_stop_handlers()
+    children_exit_with_this_process()
     try:
         dht = start_dht(host, port, announce_ip, identity_path, initial_peers)
     except NodeAddressError as e:
@@ -97,6 +99,7 @@ def run_peer(config_path, host, port, announce_ip, identity_path, initial_peers,
              metrics_file, checkpoint_dir, max_outer_steps, device_name) -> int:
     setup_logging(verbose)
     from p2p_diloco.config import ConfigError, load_config
+    from p2p_diloco.process_tree import children_exit_with_this_process
     from p2p_diloco.swarm.node import NodeAddressError, parse_initial_peers
 
     try:
@@ -116,6 +119,7 @@ def run_peer(config_path, host, port, announce_ip, identity_path, initial_peers,
 
     data = TextData(cfg.data)
     model = build_model(cfg.model, data.vocab_size, cfg.run.seed).to(device)
+    children_exit_with_this_process()
     try:
         dht = start_dht(host, port, announce_ip, identity_path, initial_peers)
     except NodeAddressError as e:

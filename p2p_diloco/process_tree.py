@@ -4,14 +4,24 @@ hivemind stops its own children on a clean shutdown, but not always in time: `DH
 `DecentralizedAverager.shutdown` fall back to `Process.terminate()` after a grace period and do not
 wait for the result, and a DHT process that is terminated that way leaves its p2pd daemon running.
 A node that leaves must leave nothing behind, so it snapshots its descendants before shutting down
-and makes sure each of them is gone afterwards. Linux only (reads /proc); elsewhere it finds nothing.
+and makes sure each of them is gone afterwards (:func:`stop_processes`).
+
+A node that is SIGKILLed (the OOM killer, a volunteer's `kill -9`) cannot do that, and hivemind's
+children have no parent-death signal: the DHT process would go on answering as a DHT node and the
+averager process would go on joining groups for a peer that no longer exists.
+:func:`children_exit_with_this_process` makes every multiprocessing child watch its parent and,
+when the parent is gone, stop its own children (p2pd) and exit.
+
+Linux only (reads /proc); elsewhere nothing is found and nothing is watched.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 import os
 import signal
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -71,8 +81,8 @@ def stop_processes(pids: list[int], grace_s: float = 3.0) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if not running:
             return
-        logger.warning("%d child process(es) still running after shutdown (%s); sending %s",
-                       len(running), ", ".join(map(str, running)), sig.name)
+        logger.warning("stopping %d child process(es) (%s) with %s", len(running), ", ".join(map(str, running)),
+                       sig.name)
         for pid in running:
             try:
                 os.kill(pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
@@ -80,3 +90,38 @@ def stop_processes(pids: list[int], grace_s: float = 3.0) -> None:
             except ProcessLookupError:
                 pass
         running = _wait_gone(running, 2.0)
+
+
+PARENT_CHECK_PERIOD_S = 1.0
+_watching = False
+
+
+def _exit_when_parent_dies(_registry_key: object) -> None:
+    """Runs in each forked multiprocessing child: a thread that ends the child once its parent is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_PERIOD_S)
+        logger.warning("parent process %d is gone: stopping this process (%d) and its children", parent, os.getpid())
+        stop_processes(descendant_pids(os.getpid()), grace_s=0.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+class _RegistryKey:
+    """multiprocessing keeps after-fork hooks in a weak dictionary: this object keeps ours alive."""
+
+
+_registry_key = _RegistryKey()
+
+
+def children_exit_with_this_process() -> None:
+    """Make every multiprocessing child forked from now on exit (and stop its children) when this
+    process dies, however it dies. Call it once, before hivemind starts its processes."""
+    global _watching
+    if _watching or not os.path.isdir("/proc"):
+        return
+    multiprocessing.util.register_after_fork(_registry_key, _exit_when_parent_dies)
+    _watching = True

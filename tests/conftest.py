@@ -92,14 +92,15 @@ class Processes:
             except ProcessLookupError:
                 pass
 
-    def kill(self, proc: subprocess.Popen) -> None:
-        """SIGKILL a process, then its children by PID (its DHT/averager processes and p2pd daemon)."""
-        children = descendants(proc.pid)
+    def kill(self, proc: subprocess.Popen, children: bool = True) -> None:
+        """SIGKILL a process, then (unless `children` is False) its children by PID: its DHT and
+        averager processes and p2pd. Children left alive are killed when the test ends."""
+        below = descendants(proc.pid)
         proc.kill()
         proc.wait(10)
         proc.killed = True
-        self.orphans.extend(children)
-        for pid in children:
+        self.orphans.extend(below)
+        for pid in below if children else []:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -44,11 +44,15 @@ def test_kill_during_inner_steps(processes, tmp_path):
     _, _, metrics = swarm(processes, tmp_path, 3, {2: "inner_step_delay=0.3"})
     wait_for_steps(metrics, 2)
     victim_at = last_step(metrics[2])
-    processes.kill(proc(processes, "peer2"))  # it spends ~3 s of every round in inner steps
+    victim = proc(processes, "peer2")
+    orphans = descendants(victim.pid)
+    processes.kill(victim, children=False)  # it spends ~3 s of every round in inner steps
     survivors = metrics[:2]
     wait_for_steps(survivors, victim_at + 3)
     assert_consistent(metrics)
     assert outer_steps(survivors[0])[-1]["group_size"] == 2
+    # nobody stopped the dead peer's DHT and averager processes and p2pd: they notice and exit
+    wait_until(lambda: not any(is_running(pid) for pid in orphans), 30, f"the killed peer's children {orphans} to exit")
 
 
 # peer2, as a reducer, holds back its averaged parts for 4 s in its second all-reduce
