@@ -40,11 +40,10 @@ def install_stop_handlers() -> threading.Event:
 
 def shutdown_dht(dht) -> None:
     """Stop the DHT (and with it p2pd), then make sure no process this node started is left running."""
-    from p2p_diloco.process_tree import command_name, descendant_pids, stop_processes
+    from p2p_diloco.process_tree import TORCH_SHM_MANAGER, command_name, descendant_pids, stop_processes
 
-    # torch's shared-memory manager (started by hivemind's shared tensors) exits by itself the moment
-    # this process does; stopping it earlier could leave its shared-memory segments behind
-    children = [pid for pid in descendant_pids(os.getpid()) if command_name(pid) != "torch_shm_manag"]
+    # torch's shared-memory manager (started by hivemind's shared tensors) is left to exit with us
+    children = [pid for pid in descendant_pids(os.getpid()) if command_name(pid) != TORCH_SHM_MANAGER]
     dht.shutdown()
     stop_processes(children)
 

@@ -28,6 +28,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+#: the command name of torch's shared-memory manager (truncated to 15 characters by the kernel); it
+#: exits by itself when its parent does, and stopping it earlier can leave shared-memory segments behind
+TORCH_SHM_MANAGER = "torch_shm_manag"
+
 
 def _stat_fields(pid: int) -> list[str] | None:
     """Fields of /proc/PID/stat after the command name (state, ppid, ...), or None if it is gone."""

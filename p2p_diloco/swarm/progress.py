@@ -117,11 +117,28 @@ class SwarmProgress:
         whose rounds are shorter than a state download from running away from every joiner.
         """
         deadline = time.monotonic() + timeout
+        announced: set[str] = set()
         while True:
             records = self.fetch()
-            training = [r for r in records.values() if r.outer_step == outer_step and r.phase in (TRAINING, LOADING)]
-            if not training or time.monotonic() >= deadline or stop.wait(poll):
+            busy = {r.peer_id: r.phase for r in records.values()
+                    if r.outer_step == outer_step and r.phase in (TRAINING, LOADING)}
+            if not busy:
                 return records
+            if set(busy) - announced:
+                logger.info("outer step %d: waiting up to %.0f s for groupmates: %s",
+                            outer_step + 1, max(deadline - time.monotonic(), 0), describe_peers(busy))
+                announced |= set(busy)
+            if time.monotonic() >= deadline:
+                logger.warning("outer step %d: going ahead without groupmates not ready after %.0f s: %s",
+                               outer_step + 1, timeout, describe_peers(busy))
+                return records
+            if stop.wait(poll):
+                return records
+
+
+def describe_peers(phases: dict[str, str]) -> str:
+    """``"ab12cd34 (training), ef56ab78 (loading)"``: short peer IDs with their phases, for logs."""
+    return ", ".join(f"{peer_id[-8:]} ({phase})" for peer_id, phase in sorted(phases.items()))
 
 
 @dataclass(frozen=True)
