@@ -142,7 +142,7 @@ class DiLoCoPeer:
             try:
                 result = self.sync.average(pseudo_gradient, samples, step, self.sha256, stop=self.stop_event)
             except RoundFailed as e:
-                logger.warning("outer step %d: %s; applying nothing this round", step, e)
+                logger.warning("outer step %d: %s; applying nothing this round", step + 1, e)
                 self.metrics.write("round_failed", outer_step=step, reason=str(e))
                 return
         else:
