@@ -77,13 +77,16 @@ def bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose):
               help="Exit cleanly once the global model has taken this many outer steps.")
 @click.option("--device", default="auto", show_default=True,
               help="Torch device for the inner loop: auto (cuda if available), cpu, cuda, cuda:1, ...")
+@click.option("--wait-for-peers", default=1, show_default=True, type=click.IntRange(1),
+              help="Before training, wait until this many peers (this one included) are in the swarm, at "
+                   "most swarm.start_wait_timeout seconds; for peers started together, so none trains alone.")
 def peer(config_path, host, port, announce_ip, identity_path, initial_peers, verbose, metrics_file,
-         checkpoint_dir, max_outer_steps, device):
+         checkpoint_dir, max_outer_steps, device, wait_for_peers):
     """Join a swarm and train with DiLoCo until stopped (Ctrl+C / SIGTERM leaves cleanly)."""
     from p2p_diloco.node_runner import run_peer
 
     sys.exit(run_peer(config_path, host, port, announce_ip, identity_path, initial_peers, verbose,
-                      metrics_file, checkpoint_dir, max_outer_steps, device))
+                      metrics_file, checkpoint_dir, max_outer_steps, device, wait_for_peers))
 
 
 @main.command()

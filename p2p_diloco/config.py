@@ -139,6 +139,7 @@ class SwarmConfig:
     commit_timeout: float = positive(15.0)
     state_download_timeout: float = positive(120.0)
     progress_ttl: float = positive(60.0)
+    start_wait_timeout: float = non_negative(120.0)
     checkpoint_dir: str = text("", allowed="a directory path ('' disables checkpoints)")
 
 

@@ -63,7 +63,9 @@ def start_bootstrap(log_dir: Path, timeout_s: float = 60.0) -> tuple[subprocess.
     raise RuntimeError(f"the bootstrap node did not print its address within {timeout_s:.0f} s; see {err.name}")
 
 
-def start_peer(config: Path, maddr: str, out_dir: Path, index: int, max_outer_steps: int) -> subprocess.Popen:
+def start_peer(
+    config: Path, maddr: str, out_dir: Path, index: int, max_outer_steps: int, wait_for_peers: int = 1
+) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     log = open(out_dir / f"peer-{index}.log", "w")
     return subprocess.Popen(
@@ -71,7 +73,7 @@ def start_peer(config: Path, maddr: str, out_dir: Path, index: int, max_outer_st
             "peer", "--config", str(config), "--host", "127.0.0.1", "--initial-peers", maddr,
             "--metrics-file", str(out_dir / f"peer-{index}.metrics.jsonl"),
             "--checkpoint-dir", str(out_dir / f"peer-{index}"),
-            "--max-outer-steps", str(max_outer_steps),
+            "--max-outer-steps", str(max_outer_steps), "--wait-for-peers", str(wait_for_peers),
         ),
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
@@ -177,7 +179,8 @@ def run_demo(num_peers: int, outer_steps: int, config_path: Optional[str], out: 
     peers: list[subprocess.Popen] = []
     try:
         logger.info("bootstrap node at %s; starting %d peers", maddr, num_peers)
-        peers = [start_peer(config, maddr, out_dir, i, outer_steps) for i in range(num_peers)]
+        # the peers start together and wait for each other, so that none takes its first steps alone
+        peers = [start_peer(config, maddr, out_dir, i, outer_steps, num_peers) for i in range(num_peers)]
         finished = wait_all(peers, started + timeout_s)
         if not finished:
             logger.error("peers did not finish within %d s; stopping them", timeout_s)

@@ -95,7 +95,7 @@ def _pick_device(name: str):
 
 
 def run_peer(config_path, host, port, announce_ip, identity_path, initial_peers, verbose,
-             metrics_file, checkpoint_dir, max_outer_steps, device_name) -> int:
+             metrics_file, checkpoint_dir, max_outer_steps, device_name, wait_for_peers: int = 1) -> int:
     setup_logging(verbose)
     from p2p_diloco.config import ConfigError, load_config
     from p2p_diloco.process_tree import children_exit_with_this_process
@@ -133,7 +133,7 @@ def run_peer(config_path, host, port, announce_ip, identity_path, initial_peers,
         trainer = DiLoCoPeer(cfg, model, batches, dht, metrics)
         # hivemind's averager sets SIGINT to "ignore" in this process when it starts: install ours after it
         trainer.stop_event = install_stop_handlers()
-        trainer.run(max_outer_steps)
+        trainer.run(max_outer_steps, wait_for_peers)
         metrics.close()
     finally:
         shutdown_dht(dht)

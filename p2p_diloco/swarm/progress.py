@@ -106,6 +106,24 @@ class SwarmProgress:
                 records[record.peer_id] = record
         return records
 
+    def wait_for_peers(self, count: int, timeout: float, stop: threading.Event, poll: float = 0.5) -> int:
+        """Wait until `count` live peers (this one included) have records, `timeout` s, or `stop`.
+
+        For peers that are started together (``peer --wait-for-peers``), so that none of them takes
+        its first outer steps alone. Returns how many peers were seen last.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = len(self.fetch())
+            if seen >= count:
+                return seen
+            if time.monotonic() >= deadline:
+                logger.warning("starting with %d of the %d peers waited for (start_wait_timeout %.0f s)",
+                               seen, count, timeout)
+                return seen
+            if stop.wait(poll):
+                return seen
+
     def wait_for_groupmates(
         self, outer_step: int, timeout: float, stop: threading.Event, poll: float = 0.5
     ) -> dict[str, PeerProgress]:

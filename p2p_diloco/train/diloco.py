@@ -88,10 +88,17 @@ class DiLoCoPeer:
     def _stopping(self) -> bool:
         return self.stop_event.is_set()
 
-    def run(self, max_outer_steps: Optional[int] = None) -> None:
-        """Train until stopped, or until θ_global reaches outer step `max_outer_steps`."""
+    def run(self, max_outer_steps: Optional[int] = None, wait_for_peers: int = 1) -> None:
+        """Train until stopped, or until θ_global reaches outer step `max_outer_steps`.
+
+        With `wait_for_peers` > 1, the first round waits (at most ``swarm.start_wait_timeout``) until
+        that many peers, this one included, are in the swarm.
+        """
         try:
             self._join()
+            if wait_for_peers > 1:
+                logger.info("waiting for %d peers before training", wait_for_peers)
+                self.progress.wait_for_peers(wait_for_peers, self.cfg.swarm.start_wait_timeout, self.stop_event)
             while not self._stopping():
                 if max_outer_steps is not None and self.global_model.outer_step >= max_outer_steps:
                     break
