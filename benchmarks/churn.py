@@ -70,7 +70,7 @@ from typing import Callable, Iterable, Optional
 from p2p_diloco.demo import DEFAULT_CONFIG, cli_command, evaluate, start_bootstrap, stop_process
 from p2p_diloco.metrics import read_metrics
 from p2p_diloco.process_tree import (
-    TORCH_SHM_MANAGER, command_name, descendant_pids, is_running, stop_processes,
+    command_name, descendant_pids, is_running, kill_tree, stop_processes, wait_gone,
 )
 
 logger = logging.getLogger("benchmarks.churn")
@@ -128,14 +128,6 @@ class ProcessLedger:
         """PID -> command name of each noted process that still runs (not a later reuse of its PID)."""
         return {pid: name for (pid, ticks), name in self._seen.items()
                 if ticks is not None and is_running(pid) and _start_ticks(pid) == ticks}
-
-
-def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """Wait up to `timeout_s` for `pids` to exit by themselves; returns those still running."""
-    deadline = time.monotonic() + timeout_s
-    while (running := [pid for pid in pids if is_running(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return running
 
 
 def metrics_path(run_dir: Path, index: int) -> Path:
@@ -211,21 +203,13 @@ def _pid(proc_or_slot) -> Optional[int]:
     return proc.pid if proc is not None and proc.poll() is None else None
 
 
-def kill_tree(proc: subprocess.Popen, ledger: ProcessLedger) -> list[int]:
-    """SIGKILL a process and, right after, every descendant it had (snapshotted first), except torch's
-    shared-memory manager: it frees the /dev/shm segments of its dead clients and then exits by itself,
-    as it would after a real crash (killed too, it would leave the segments behind); the ledger checks
-    that it does exit."""
-    everyone = descendant_pids(proc.pid)
-    ledger.add(everyone)
-    children = [pid for pid in everyone if command_name(pid) != TORCH_SHM_MANAGER]
-    for pid in [proc.pid, *children]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def crash_tree(proc: subprocess.Popen, ledger: ProcessLedger) -> list[int]:
+    """SIGKILL a peer and its descendants (see :func:`kill_tree`); the ledger checks that torch's
+    shared-memory manager, which is spared, does exit by itself. Returns the descendants it had."""
+    descendants = kill_tree(proc.pid)
+    ledger.add(descendants)
     proc.wait(10)
-    return children
+    return descendants
 
 
 def stop_slots(slots: list[Slot], ledger: ProcessLedger, grace_s: float = STOP_GRACE_S) -> dict[int, float]:
@@ -249,7 +233,7 @@ def stop_slots(slots: list[Slot], ledger: ProcessLedger, grace_s: float = STOP_G
             slot.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             logger.warning("peer %d did not stop within %.0f s of SIGTERM; killing it", slot.index, grace_s)
-            kill_tree(slot.proc, ledger)
+            crash_tree(slot.proc, ledger)
         if slot.leaving_since is not None:
             leave_s[slot.index] = time.time() - slot.leaving_since  # an upper bound: waited in turn
     stop_processes([pid for pid in children if is_running(pid)], grace_s=3.0)
@@ -367,8 +351,8 @@ class Chaos:
         where = dict(pid=victim.proc.pid, swarm_step=top, peer_step=last[-1]["outer_step"] if last else 0)
         victim.signalled = True
         if self.rng.random() < 0.5:
-            children = kill_tree(victim.proc, self.ledger)
-            self.log("SIGKILL", victim, killed_children=len(children), **where)
+            descendants = crash_tree(victim.proc, self.ledger)
+            self.log("SIGKILL", victim, descendants=len(descendants), **where)
             self._schedule_restart(victim, time.time())
         else:
             victim.leaving_children = descendant_pids(victim.proc.pid)
@@ -382,7 +366,7 @@ class Chaos:
         if slot.proc.poll() is None:
             if now - slot.leaving_since < LEAVE_TIMEOUT_S:
                 return
-            kill_tree(slot.proc, self.ledger)
+            crash_tree(slot.proc, self.ledger)
             self.log("leave_timeout", slot, after_s=round(now - slot.leaving_since, 1))
         leave_s = now - slot.leaving_since
         # children may take a moment to follow their parent (torch_shm_manager exits once it sees it gone)

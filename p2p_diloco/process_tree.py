@@ -70,7 +70,8 @@ def is_running(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"
 
 
-def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait up to `timeout_s` for `pids` to exit by themselves; returns those still running."""
     deadline = time.monotonic() + timeout_s
     while True:
         running = [pid for pid in pids if is_running(pid)]
@@ -81,7 +82,7 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 def stop_processes(pids: list[int], grace_s: float = 3.0) -> None:
     """Give `pids` `grace_s` seconds to exit, then SIGTERM the rest, then SIGKILL what still runs."""
-    running = _wait_gone(pids, grace_s)
+    running = wait_gone(pids, grace_s)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if not running:
             return
@@ -93,7 +94,24 @@ def stop_processes(pids: list[int], grace_s: float = 3.0) -> None:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        running = _wait_gone(running, 2.0)
+        running = wait_gone(running, 2.0)
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL a process and every process below it, as a crash of the whole tree would, and return
+    the descendants it had (snapshotted first).
+
+    torch's shared-memory manager is spared: once its clients are gone it unlinks their /dev/shm
+    segments and exits by itself, about 2 s later; killed, it would leave the segments behind. Use
+    :func:`wait_gone` on the returned PIDs to see the whole tree gone.
+    """
+    below = descendant_pids(pid)
+    for target in [pid, *(child for child in below if command_name(child) != TORCH_SHM_MANAGER)]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return below
 
 
 PARENT_CHECK_PERIOD_S = 1.0

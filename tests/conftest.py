@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from p2p_diloco.config import Config, config_from_dict
-from p2p_diloco.process_tree import descendant_pids
+from p2p_diloco.process_tree import descendant_pids, kill_tree, wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,25 +86,22 @@ class Processes:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.kill(proc)
-        for pid in self.orphans:
+        # torch's shared-memory manager frees a dead peer's /dev/shm segments within seconds: let it
+        for pid in wait_gone(self.orphans, 10):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
     def kill(self, proc: subprocess.Popen, children: bool = True) -> None:
-        """SIGKILL a process, then (unless `children` is False) its children by PID: its DHT and
-        averager processes and p2pd. Children left alive are killed when the test ends."""
-        below = descendants(proc.pid)
-        proc.kill()
+        """SIGKILL a process and (unless `children` is False) its descendants: its DHT and averager
+        processes and p2pd, as :func:`kill_tree` does. Descendants still alive when the test ends
+        are killed then."""
+        self.orphans.extend(kill_tree(proc.pid) if children else descendants(proc.pid))
+        if not children:
+            proc.kill()
         proc.wait(10)
         proc.killed = True
-        self.orphans.extend(below)
-        for pid in below if children else []:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 descendants = descendant_pids
