@@ -40,10 +40,9 @@ def install_stop_handlers() -> threading.Event:
 
 def shutdown_dht(dht) -> None:
     """Stop the DHT (and with it p2pd), then make sure no process this node started is left running."""
-    from p2p_diloco.process_tree import TORCH_SHM_MANAGER, command_name, descendant_pids, stop_processes
+    from p2p_diloco.process_tree import descendant_pids, stop_processes, without_torch_shm_manager
 
-    # torch's shared-memory manager (started by hivemind's shared tensors) is left to exit with us
-    children = [pid for pid in descendant_pids(os.getpid()) if command_name(pid) != TORCH_SHM_MANAGER]
+    children = without_torch_shm_manager(descendant_pids(os.getpid()))  # the manager exits with us
     dht.shutdown()
     stop_processes(children)
 

@@ -28,8 +28,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-#: the command name of torch's shared-memory manager (truncated to 15 characters by the kernel); it
-#: exits by itself when its parent does, and stopping it earlier can leave shared-memory segments behind
+#: the command name of torch's shared-memory manager (truncated to 15 characters by the kernel)
 TORCH_SHM_MANAGER = "torch_shm_manag"
 
 
@@ -70,6 +69,13 @@ def is_running(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"
 
 
+def without_torch_shm_manager(pids: list[int]) -> list[int]:
+    """`pids` less torch's shared-memory manager (started by hivemind's shared tensors): once its
+    clients are gone it unlinks their /dev/shm segments and exits by itself, about 2 s later; stopped
+    earlier, it would leave the segments behind."""
+    return [pid for pid in pids if command_name(pid) != TORCH_SHM_MANAGER]
+
+
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     """Wait up to `timeout_s` for `pids` to exit by themselves; returns those still running."""
     deadline = time.monotonic() + timeout_s
@@ -99,14 +105,12 @@ def stop_processes(pids: list[int], grace_s: float = 3.0) -> None:
 
 def kill_tree(pid: int) -> list[int]:
     """SIGKILL a process and every process below it, as a crash of the whole tree would, and return
-    the descendants it had (snapshotted first).
-
-    torch's shared-memory manager is spared: once its clients are gone it unlinks their /dev/shm
-    segments and exits by itself, about 2 s later; killed, it would leave the segments behind. Use
-    :func:`wait_gone` on the returned PIDs to see the whole tree gone.
+    the descendants it had (snapshotted first). torch's shared-memory manager is spared (see
+    :func:`without_torch_shm_manager`): use :func:`wait_gone` on the returned PIDs to see the whole
+    tree gone.
     """
     below = descendant_pids(pid)
-    for target in [pid, *(child for child in below if command_name(child) != TORCH_SHM_MANAGER)]:
+    for target in [pid, *without_torch_shm_manager(below)]:
         try:
             os.kill(target, signal.SIGKILL)
         except ProcessLookupError:

@@ -97,8 +97,10 @@ class Processes:
         """SIGKILL a process and (unless `children` is False) its descendants: its DHT and averager
         processes and p2pd, as :func:`kill_tree` does. Descendants still alive when the test ends
         are killed then."""
-        self.orphans.extend(kill_tree(proc.pid) if children else descendants(proc.pid))
-        if not children:
+        if children:
+            self.orphans.extend(kill_tree(proc.pid))
+        else:
+            self.orphans.extend(descendants(proc.pid))
             proc.kill()
         proc.wait(10)
         proc.killed = True
