@@ -2,18 +2,21 @@
 
 Inner optimizer state never leaves the peer: the paper found that syncing it tripled the traffic for
 no gain. The learning rate follows linear warmup then cosine decay to ``min_lr_ratio × lr`` over
-``total_steps`` inner steps, counted across outer steps.
+``total_steps`` inner steps, counted across outer steps, and stays there (:func:`inner_lr_factor`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from transformers import PreTrainedModel, get_cosine_with_min_lr_schedule_with_warmup
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import PreTrainedModel
 
 from p2p_diloco.config import InnerConfig
 
@@ -26,6 +29,29 @@ def make_inner_optimizer(params, cfg: InnerConfig, device: torch.device) -> torc
 
         return bnb.optim.AdamW8bit(params, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
+
+
+def inner_lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """The inner lr after `step` scheduler steps, as a fraction of ``inner.lr``.
+
+    Linear warmup from 0 over `warmup_steps`, then cosine decay to `min_lr_ratio` at `total_steps`
+    (warmup then cosine decay, as for DiLoCo's inner AdamW, arXiv 2311.08105), then `min_lr_ratio` for
+    ever: a swarm may train past `total_steps`. Up to `total_steps` this is exactly transformers'
+    ``get_cosine_with_min_lr_schedule_with_warmup``, whose cosine climbs back to 1 after it.
+    """
+    if step < warmup_steps:
+        return float(step) / float(max(1, warmup_steps))
+    progress = min(1.0, float(step - warmup_steps) / float(max(1, total_steps - warmup_steps)))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cosine * (1 - min_lr_ratio) + min_lr_ratio
+
+
+def make_inner_scheduler(optimizer: torch.optim.Optimizer, cfg: InnerConfig) -> LambdaLR:
+    """:func:`inner_lr_factor` times each parameter group's initial lr, one step per inner step."""
+    factor = functools.partial(
+        inner_lr_factor, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio
+    )
+    return LambdaLR(optimizer, factor)
 
 
 @dataclass
@@ -47,9 +73,7 @@ class InnerTrainer:
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_inner_optimizer(self.params, cfg, self.device)
-        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-            self.optimizer, cfg.warmup_steps, cfg.total_steps, min_lr_rate=cfg.min_lr_ratio
-        )
+        self.scheduler = make_inner_scheduler(self.optimizer, cfg)
         self.steps_done = 0
 
     def _autocast(self):
@@ -85,9 +109,16 @@ class InnerTrainer:
         return InnerPhaseResult(num_steps, samples, sum(losses) / max(len(losses), 1))
 
     def fast_forward_schedule(self, steps: int) -> None:
-        """Align the lr schedule with the swarm after loading state (a joiner starts mid-run)."""
+        """Align the lr schedule with the swarm after loading state (a joiner starts mid-run).
+
+        Jumps straight to step `steps` (never back), in O(1): a downloaded state is not trusted and
+        may claim any number of inner steps.
+        """
+        steps = int(steps)
+        if steps <= self.steps_done:
+            return
+        self.scheduler.last_epoch = steps - 1  # the scheduler's next step() computes the lr at `steps`
         with warnings.catch_warnings():  # stepping a schedule before the first optimizer step is intended here
             warnings.simplefilter("ignore", UserWarning)
-            while self.steps_done < steps:
-                self.scheduler.step()
-                self.steps_done += 1
+            self.scheduler.step()
+        self.steps_done = steps
