@@ -11,6 +11,8 @@ A bad value raises :class:`ConfigError` with one line naming the key, the value 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import re
 import tomllib
@@ -180,18 +182,28 @@ def _build_section(cls: type, section: str, raw: Mapping[str, Any]) -> Any:
     return cls(**values)
 
 
+def _check_llama_sizes(model: ModelConfig, seq_len: int) -> None:
+    """The sizes of a Llama built from the config (a hub model's sizes come from its own config)."""
+    if model.hidden_size % model.num_heads != 0:
+        raise ConfigError(
+            f"config: model.hidden_size = {model.hidden_size} must be divisible by model.num_heads = {model.num_heads}"
+        )
+    head_size = model.hidden_size // model.num_heads
+    if head_size % 2 != 0:  # rotary position embeddings rotate pairs of dimensions
+        raise ConfigError(
+            f"config: model.hidden_size / model.num_heads = {head_size} must be even (rotary embeddings need "
+            f"pairs of dimensions); change model.hidden_size or model.num_heads"
+        )
+    if seq_len > model.max_position_embeddings:
+        raise ConfigError(
+            f"config: data.seq_len = {seq_len} exceeds model.max_position_embeddings = {model.max_position_embeddings}"
+        )
+
+
 def _check_consistency(cfg: Config) -> None:
     """Rules that involve more than one key."""
-    if cfg.model.name == "llama" and cfg.model.hidden_size % cfg.model.num_heads != 0:
-        raise ConfigError(
-            f"config: model.hidden_size = {cfg.model.hidden_size} must be divisible by "
-            f"model.num_heads = {cfg.model.num_heads}"
-        )
-    if cfg.data.seq_len > cfg.model.max_position_embeddings:
-        raise ConfigError(
-            f"config: data.seq_len = {cfg.data.seq_len} exceeds model.max_position_embeddings = "
-            f"{cfg.model.max_position_embeddings}"
-        )
+    if cfg.model.name == "llama":
+        _check_llama_sizes(cfg.model, cfg.data.seq_len)
     if cfg.data.source == "files" and not cfg.data.paths:
         raise ConfigError("config: data.paths = [] is invalid when data.source = 'files': list at least one text file")
     if cfg.data.source == "hub" and not cfg.data.hub_dataset:
@@ -200,6 +212,11 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(
             f"config: inner.warmup_steps = {cfg.inner.warmup_steps} must be smaller than "
             f"inner.total_steps = {cfg.inner.total_steps}"
+        )
+    if cfg.inner.steps_per_outer > cfg.inner.total_steps:
+        raise ConfigError(
+            f"config: inner.steps_per_outer = {cfg.inner.steps_per_outer} exceeds inner.total_steps = "
+            f"{cfg.inner.total_steps}: the lr schedule would end inside the first outer step"
         )
     if cfg.swarm.request_timeout >= cfg.swarm.matchmaking_time:
         # hivemind: request_timeout must be smaller than min_matchmaking_time to avoid deadlocks
@@ -223,7 +240,11 @@ def config_from_dict(raw: Mapping[str, Any]) -> Config:
 
 
 def load_config(path: str | Path) -> Config:
-    """Read and validate a run config; raises ConfigError with a one-line message."""
+    """Read and validate a run config; raises ConfigError with a one-line message.
+
+    Relative ``data.paths`` are resolved against the config file's directory, so a config names the
+    data that ships beside it wherever it is started from.
+    """
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -231,4 +252,25 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"config: file {str(path)!r} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config: {str(path)!r} is not valid TOML: {e}") from None
-    return config_from_dict(raw)
+    cfg = config_from_dict(raw)
+    if cfg.data.paths:
+        cfg = cfg.replace(data={"paths": [str(path.parent / p) for p in cfg.data.paths]})
+    return cfg
+
+
+def run_fingerprint(cfg: Config, tokenizer_sha256: str) -> str:
+    """sha256 of the settings every peer of a run must share, and of the tokenizer it trains with.
+
+    Peers with different fingerprints must not average: their parameters mean different things
+    (model, tokenizer), or their pseudo-gradients come from different optimisation problems (data,
+    inner and outer optimizer, seed). Left out: timeouts and other `[swarm]` values (each peer's
+    own), the local paths of data files (the corpus shows in a locally trained tokenizer), and how a
+    peer splits its batch into micro-batches (only batch_size × grad_accumulation counts).
+    """
+    inner = dataclasses.asdict(cfg.inner)
+    inner["samples_per_step"] = inner.pop("batch_size") * inner.pop("grad_accumulation")
+    data = dataclasses.asdict(cfg.data)
+    data.pop("paths")
+    shared = dict(run=dataclasses.asdict(cfg.run), model=dataclasses.asdict(cfg.model), data=data, inner=inner,
+                  outer=dataclasses.asdict(cfg.outer), tokenizer_sha256=tokenizer_sha256)
+    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()

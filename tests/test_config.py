@@ -2,7 +2,9 @@
 
 import pytest
 
-from p2p_diloco.config import ConfigError, config_from_dict, load_config
+from p2p_diloco.config import ConfigError, config_from_dict, load_config, run_fingerprint
+from p2p_diloco.train.data import TextData, order_seed
+from p2p_diloco.train.model import build_model
 from tests.conftest import REPO
 
 
@@ -21,6 +23,10 @@ from tests.conftest import REPO
         ({"data": {"source": "files"}}, "data.paths = [] is invalid when data.source = 'files'"),
         ({"swarm": {"request_timeout": 5.0, "matchmaking_time": 2.0}}, "swarm.request_timeout = 5.0 must be smaller"),
         ({"inner": {"warmup_steps": 10, "total_steps": 10}}, "inner.warmup_steps = 10 must be smaller"),
+        ({"inner": {"warmup_steps": 10, "total_steps": 40, "steps_per_outer": 50}},
+         "inner.steps_per_outer = 50 exceeds inner.total_steps = 40"),
+        ({"model": {"hidden_size": 24, "num_heads": 8}}, "model.hidden_size / model.num_heads = 3 must be even"),
+        ({"data": {"seq_len": 1024}}, "data.seq_len = 1024 exceeds model.max_position_embeddings = 512"),
     ],
 )
 def test_bad_values_name_key_value_and_rule(raw, message):
@@ -30,9 +36,51 @@ def test_bad_values_name_key_value_and_rule(raw, message):
     assert "\n" not in str(err.value)
 
 
-def test_shipped_configs_are_valid():
-    for path in sorted((REPO / "peers").glob("*.toml")):
-        load_config(path)
+def test_shipped_configs_are_valid_and_their_data_loads():
+    """Every shipped config validates; a config whose data is local loads it from a clone, and builds its
+    model. A hub source needs the internet (`test_data.py` covers the hub path with a local dataset)."""
+    configs = sorted((REPO / "peers").glob("*.toml"))
+    assert len(configs) >= 3
+    for path in configs:
+        cfg = load_config(path)
+        if cfg.data.source == "hub" or cfg.model.name != "llama":
+            continue
+        data = TextData(cfg.data)
+        data.peer_batches(cfg.inner.batch_size, order_seed(cfg.run.seed, "a peer"))  # enough for one batch
+        assert len(data.heldout) > 0, path
+        build_model(cfg.model, data.vocab_size, cfg.run.seed, cfg.data.seq_len)
+
+
+def test_relative_data_paths_resolve_against_the_config_file(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    config = tmp_path / "run.toml"
+    config.write_text('[data]\nsource = "files"\npaths = ["corpus/a.txt", "/abs/b.txt"]\n')
+    assert load_config(config).data.paths == [str(tmp_path / "corpus" / "a.txt"), "/abs/b.txt"]
+
+
+def test_fingerprint_covers_what_peers_must_share_and_nothing_else():
+    cfg = config_from_dict({})
+    base = run_fingerprint(cfg, "tokenizer-a")
+    assert run_fingerprint(cfg, "tokenizer-b") != base  # same settings, another tokenizer
+    for section, values in [("inner", {"lr": 5e-3}), ("model", {"intermediate_size": 512}),
+                            ("outer", {"momentum": 0.8}), ("run", {"seed": 1}), ("data", {"seq_len": 128})]:
+        assert run_fingerprint(cfg.replace(**{section: values}), "tokenizer-a") != base, section
+    # each peer's own: timeouts, where its files are, how it splits its batch into micro-batches
+    assert run_fingerprint(cfg.replace(swarm={"round_wait_timeout": 5.0}), "tokenizer-a") == base
+    assert run_fingerprint(cfg.replace(data={"paths": ["/elsewhere/a.txt"]}), "tokenizer-a") == base
+    split = cfg.replace(inner={"batch_size": 8, "grad_accumulation": 2})
+    assert run_fingerprint(split, "tokenizer-a") == base
+
+
+def test_a_hub_model_is_checked_against_its_own_position_limit(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2).save_pretrained(tmp_path)
+    cfg = config_from_dict({"model": {"name": str(tmp_path), "max_position_embeddings": 8},
+                            "data": {"seq_len": 128}})  # the [model] sizes say nothing about a hub model
+    with pytest.raises(ConfigError, match=r"data.seq_len = 128 exceeds the 64 positions model"):
+        build_model(cfg.model, 300, 0, cfg.data.seq_len)
+    build_model(cfg.model, 300, 0, 64)
 
 
 def test_missing_and_malformed_files(tmp_path):
