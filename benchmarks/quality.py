@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -54,11 +55,11 @@ from typing import Iterator, Sequence
 
 import torch
 
-from p2p_diloco.config import Config, config_from_dict
+from p2p_diloco.config import Config, config_from_dict, run_fingerprint
 from p2p_diloco.metrics import MetricsWriter
 from p2p_diloco.node_runner import setup_logging
-from p2p_diloco.swarm.node import start_dht, visible_maddrs
-from p2p_diloco.train.data import TextData, order_seed
+from p2p_diloco.swarm.node import start_run_node, visible_maddrs
+from p2p_diloco.train.data import TextData, order_seed, tokenizer_sha256
 from p2p_diloco.train.diloco import DiLoCoPeer
 from p2p_diloco.train.inner import InnerTrainer
 from p2p_diloco.train.model import build_model, evaluate_loss, trainable_parameters
@@ -66,7 +67,7 @@ from p2p_diloco.train.outer import GlobalModel
 
 logger = logging.getLogger("benchmarks.quality")
 
-DEFAULT_TEXT = "/work/shared/data/tinyshakespeare.txt"
+DEFAULT_TEXT = str(Path(__file__).resolve().parent.parent / "peers" / "data" / "tinyshakespeare.txt")
 LOCAL_BATCH_SIZE = 16  # B, sequences per inner step of one peer
 WARMUP_FRACTION = 0.05  # of each peer's inner steps; the same warmup (in steps) for every method
 FP32_BYTES = 4
@@ -200,21 +201,20 @@ class GlobalModelHistory(MetricsWriter):
         return [r for r in self.records if r["event"] == "outer_step"]
 
 
-def start_swarm(num_peers: int) -> list:
-    """One DHT node per peer on loopback; every node after the first joins through the first."""
-    first = start_dht("127.0.0.1", 0)
-    dhts = [first]
+def start_swarm(run_name: str, num_peers: int) -> list:
+    """One DHT node (and identity) per peer on loopback; every node after the first joins through the first."""
+    nodes = [start_run_node(run_name, "127.0.0.1", 0)]
     try:
         for _ in range(num_peers - 1):
-            dhts.append(start_dht("127.0.0.1", 0, initial_peers=visible_maddrs(first)))
+            nodes.append(start_run_node(run_name, "127.0.0.1", 0, initial_peers=visible_maddrs(nodes[0][0])))
     except BaseException:
-        shutdown_swarm(dhts)
+        shutdown_swarm(nodes)
         raise
-    return dhts
+    return nodes
 
 
-def shutdown_swarm(dhts: Sequence) -> None:
-    for dht in dhts:
+def shutdown_swarm(nodes: Sequence) -> None:
+    for dht, _ in nodes:
         dht.shutdown()
 
 
@@ -299,15 +299,17 @@ def swarm_consistency(histories: Sequence[GlobalModelHistory], num_peers: int) -
 
 
 def run_diloco(cfg: Config, data: TextData, num_peers: int, outer_steps: int) -> MethodResult:
-    dhts = start_swarm(num_peers)
+    nodes = start_swarm(cfg.run.name, num_peers)
+    fingerprint = run_fingerprint(cfg, tokenizer_sha256(data.tokenizer))
     stop = threading.Event()
     try:
         peers, histories = [], []
-        for index, dht in enumerate(dhts):
+        for index, (dht, identity) in enumerate(nodes):
             model = build_model(cfg.model, data.vocab_size, cfg.run.seed)
-            batches = data.peer_batches(cfg.inner.batch_size, order_seed(cfg.run.seed, f"bench-{index}"))
+            seed = order_seed(cfg.run.seed, f"bench-{index}")
             history = GlobalModelHistory(dht.peer_id.to_base58())
-            peer = DiLoCoPeer(cfg, model, batches, dht, metrics=history, stop_event=stop)
+            peer = DiLoCoPeer(cfg, model, functools.partial(data.peer_batches, cfg.inner.batch_size, seed), dht,
+                              identity.record_subkey, fingerprint, metrics=history, stop_event=stop)
             history.watch(peer.global_model)
             peers.append(peer)
             histories.append(history)
@@ -315,7 +317,7 @@ def run_diloco(cfg: Config, data: TextData, num_peers: int, outer_steps: int) ->
         signal.signal(signal.SIGINT, signal.default_int_handler)
         train_seconds = run_peers_in_threads(peers, outer_steps, stop)
     finally:
-        shutdown_swarm(dhts)
+        shutdown_swarm(nodes)
 
     snapshots = histories[0].snapshots
     last_snapshot = snapshots[max(snapshots)]

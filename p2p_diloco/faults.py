@@ -9,7 +9,9 @@ widen the window of a phase so that a test can hit it reliably, or make a peer s
 * ``allreduce_delay``: seconds this peer, as a reducer, waits before replying with averaged parts,
   in its ``allreduce_delay_round``-th all-reduce only (default: the first), so that its groupmates
   sit mid all-reduce waiting on it; "fault injection: pausing mid all-reduce" is logged first;
-* ``serve_state_delay``: seconds slept while serving the global state to a joiner (logged first).
+* ``serve_state_delay``: seconds a donor pauses after it sent the first part of its state to a
+  joiner, so that a kill lands mid-transfer ("fault injection: pausing mid state transfer" is
+  logged first).
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def after_inner_step() -> None:
         time.sleep(ACTIVE["inner_step_delay"])
 
 
-def while_serving_state() -> None:
-    if "serve_state_delay" in ACTIVE:
-        logger.warning("fault injection: serving state slowly (%.1f s)", ACTIVE["serve_state_delay"])
-        time.sleep(ACTIVE["serve_state_delay"])
+def serve_state_pause_s() -> float:
+    """The pause a donor takes mid-transfer, or 0."""
+    pause = ACTIVE.get("serve_state_delay", 0.0)
+    if pause:
+        logger.warning("fault injection: pausing mid state transfer for %.1f s", pause)
+    return pause

@@ -72,13 +72,16 @@ def print_maddrs(dht, prefix: str = "") -> None:
 def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose) -> int:
     setup_logging(verbose)
     from p2p_diloco.process_tree import children_exit_with_this_process
+    from p2p_diloco.swarm.identity import Identity, IdentityError
     from p2p_diloco.swarm.node import NodeAddressError, start_dht
+    from p2p_diloco.swarm.records import node_validators
 
     stop = install_stop_handlers()
     children_exit_with_this_process()
     try:
-        dht = start_dht(host, port, announce_ip, identity_path, initial_peers)
-    except NodeAddressError as e:
+        identity = Identity.load_or_create(identity_path)
+        dht = start_dht(host, port, identity, node_validators(identity), announce_ip, initial_peers)
+    except (NodeAddressError, IdentityError) as e:
         return _fail(str(e), EXIT_USAGE)
     except ConnectionError as e:
         return _fail(str(e), EXIT_UNREACHABLE)
@@ -93,13 +96,26 @@ def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose
 
 
 def _pick_device(name: str):
+    """The torch device for the inner loop; a device this machine does not have is a one-line error."""
     import torch
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a torch device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    try:
+        torch.empty(1, device=device)
+    except Exception as e:  # mps, xpu, ... that this build or machine lacks
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--device {name}: cannot use it on this machine ({reason}); use --device cpu") from None
     return device
 
 
@@ -119,17 +135,27 @@ def run_peer(config_path, host, port, announce_ip, identity_path, initial_peers,
     except (ConfigError, NodeAddressError, ValueError, RuntimeError) as e:
         return _fail(str(e), EXIT_USAGE)
 
+    from p2p_diloco.config import run_fingerprint
     from p2p_diloco.metrics import MetricsWriter
-    from p2p_diloco.swarm.node import start_dht
-    from p2p_diloco.train.data import TextData, order_seed
+    from p2p_diloco.swarm.identity import Identity, IdentityError
+    from p2p_diloco.swarm.node import start_run_node
+    from p2p_diloco.train.data import DataError, TextData, order_seed, tokenizer_sha256
     from p2p_diloco.train.diloco import DiLoCoPeer
     from p2p_diloco.train.model import build_model
 
-    data = TextData(cfg.data)
-    model = build_model(cfg.model, data.vocab_size, cfg.run.seed).to(device)
+    try:
+        identity = Identity.load_or_create(identity_path)
+        data = TextData(cfg.data)
+        seed = order_seed(cfg.run.seed, identity.peer_id)
+        # created now, so that a corpus too small for one batch is an error before the peer joins
+        first_stream = {0: data.peer_batches(cfg.inner.batch_size, seed)}
+        model = build_model(cfg.model, data.vocab_size, cfg.run.seed, cfg.data.seq_len).to(device)
+    except (IdentityError, DataError, ConfigError) as e:
+        return _fail(str(e), EXIT_USAGE)
+    fingerprint = run_fingerprint(cfg, tokenizer_sha256(data.tokenizer))
     children_exit_with_this_process()
     try:
-        dht = start_dht(host, port, announce_ip, identity_path, initial_peers)
+        dht, _ = start_run_node(cfg.run.name, host, port, identity, announce_ip, initial_peers)
     except NodeAddressError as e:
         return _fail(str(e), EXIT_USAGE)
     except ConnectionError as e:
@@ -137,9 +163,13 @@ def run_peer(config_path, host, port, announce_ip, identity_path, initial_peers,
     try:
         peer_id = dht.peer_id.to_base58()
         print_maddrs(dht, prefix="peer reachable at ")
-        batches = data.peer_batches(cfg.inner.batch_size, order_seed(cfg.run.seed, peer_id))
+        logger.info("run %r, settings fingerprint %s", cfg.run.name, fingerprint[:16])
         metrics = MetricsWriter(metrics_file, peer_id)
-        trainer = DiLoCoPeer(cfg, model, batches, dht, metrics)
+
+        def batches_from(position: int):
+            return first_stream.pop(position, None) or data.peer_batches(cfg.inner.batch_size, seed, position)
+
+        trainer = DiLoCoPeer(cfg, model, batches_from, dht, identity.record_subkey, fingerprint, metrics)
         # hivemind's averager sets SIGINT to "ignore" in this process when it starts: install ours after it
         trainer.stop_event = install_stop_handlers()
         trainer.run(max_outer_steps, wait_for_peers)

@@ -61,12 +61,14 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
         self.orphans: list[int] = []  # children of killed processes, stopped again at the end
 
-    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    def start(self, name: str, *args: str, env: dict | None = None, module: str = "p2p_diloco.cli") -> subprocess.Popen:
+        """`python -m module *args` (the `p2p-diloco` command unless told otherwise), logging to name.log."""
         log = open(self.log_dir / f"{name}.log", "a")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "p2p_diloco.cli", *args],
+            [sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE if name.startswith("bootstrap") else log,
-            stderr=log, text=True, env={**os.environ, **(env or {})}, cwd=self.log_dir,
+            # the repository on the path: `tests.hostile` runs from the test's own directory
+            stderr=log, text=True, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, cwd=self.log_dir,
         )
         proc.name = name
         self.procs.append(proc)

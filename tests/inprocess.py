@@ -8,8 +8,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from p2p_diloco.config import Config
-from p2p_diloco.swarm.node import start_dht, visible_maddrs
+from p2p_diloco.config import Config, run_fingerprint
+from p2p_diloco.swarm.node import start_run_node, visible_maddrs
 from p2p_diloco.train.diloco import DiLoCoPeer
 from p2p_diloco.train.model import build_model
 
@@ -17,13 +17,18 @@ from p2p_diloco.train.model import build_model
 @contextmanager
 def inprocess_peers(cfg: Config, vocab_size: int, batch_lists: Sequence[list[torch.Tensor]]):
     """One DiLoCoPeer per batch list, all in one DHT; every DHT is shut down on exit."""
-    dhts = []
+    dhts, identities = [], []
+    fingerprint = run_fingerprint(cfg, tokenizer_sha256="fixed test batches")
     try:
         for _ in batch_lists:
-            dhts.append(start_dht("127.0.0.1", 0, initial_peers=visible_maddrs(dhts[0]) if dhts else ()))
+            dht, identity = start_run_node(cfg.run.name, "127.0.0.1", 0,
+                                           initial_peers=visible_maddrs(dhts[0]) if dhts else ())
+            dhts.append(dht)
+            identities.append(identity)
         peers = [
-            DiLoCoPeer(cfg, build_model(cfg.model, vocab_size, cfg.run.seed), iter(batches), dht)
-            for dht, batches in zip(dhts, batch_lists)
+            DiLoCoPeer(cfg, build_model(cfg.model, vocab_size, cfg.run.seed), batches_from(batches), dht,
+                       identity.record_subkey, fingerprint)
+            for dht, identity, batches in zip(dhts, identities, batch_lists)
         ]
         yield peers
     finally:
@@ -53,6 +58,11 @@ def run_in_threads(peers: Sequence[DiLoCoPeer], max_outer_steps: int, timeout_s:
         raise TimeoutError(f"peers did not reach outer step {max_outer_steps} within {timeout_s} s")
     if errors:
         raise errors[0]
+
+
+def batches_from(batches: list[torch.Tensor]):
+    """A DiLoCoPeer's data source over a fixed list: the batches from a position on."""
+    return lambda position: iter(batches[position:])
 
 
 def fixed_batches(num_peers: int, num_batches: int, batch_size: int, seq_len: int, vocab: int, seed: int = 0):

@@ -22,6 +22,7 @@ def tiny_config_file(directory: Path, **sections) -> Path:
     raw = {name: dict(values) for name, values in TINY.items()}
     for name, values in sections.items():
         raw[name].update(values)
+    directory.mkdir(parents=True, exist_ok=True)
     return write_toml(directory / "run.toml", raw)
 
 
@@ -65,3 +66,27 @@ def hashes_by_step(metrics_files: list[Path]) -> dict[int, set[str]]:
         for record in outer_steps(path):
             by_step[record["outer_step"]].add(record["global_sha256"])
     return by_step
+
+
+FAST_TIMEOUTS = {"next_chunk_timeout": 3.0, "round_wait_timeout": 15.0, "progress_ttl": 12.0}
+
+
+def swarm(processes: Processes, tmp_path: Path, n: int, faults_by_peer: dict | None = None, **sections):
+    """A bootstrap node and n peers on the tiny config with short timeouts; returns (maddr, config, metrics files)."""
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS, **sections)
+    maddr = start_bootstrap(processes)
+    faults_by_peer = faults_by_peer or {}
+    metrics = [start_peer(processes, f"peer{i}", config, maddr, faults=faults_by_peer.get(i, "")) for i in range(n)]
+    return maddr, config, metrics
+
+
+def proc(processes: Processes, name: str):
+    return next(p for p in processes.procs if p.name == name)
+
+
+def wait_for_steps(metrics: list[Path], count: int, timeout_s: float = 240) -> None:
+    wait_until(lambda: all(last_step(m) >= count for m in metrics), timeout_s, f"outer step {count} on all peers")
+
+
+def peer_id_of(metrics: Path) -> str:
+    return read_metrics(metrics)[0]["peer_id"]

@@ -72,3 +72,45 @@ def test_unreachable_initial_peer_is_a_clear_error():
     result = run_cli("bootstrap", "--host", "127.0.0.1", "--port", "0", "--initial-peers", dead)
     assert result.returncode == 3
     assert "could not join the swarm through" in result.stderr
+
+
+def tiny_config_with(tmp_path, **sections):
+    raw = {name: dict(values) for name, values in TINY.items()}
+    for name, values in sections.items():
+        raw[name].update(values)
+    return write_toml(tmp_path / "run.toml", raw)
+
+
+def assert_one_line_error(result, code: int, *fragments: str) -> None:
+    assert result.returncode == code, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "Traceback" not in result.stderr, result.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in last, last
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda:3", "--device cuda:3: "),  # no such GPU here, whether or not the machine has CUDA
+    ("tpu", "--device 'tpu' is not a torch device"),
+    ("mps", "--device mps: cannot use it on this machine"),
+])
+def test_a_device_this_machine_lacks_is_one_line(tmp_path, device, message):
+    if device == "mps" and __import__("torch").backends.mps.is_available():
+        pytest.skip("this machine has an MPS device")
+    result = run_cli("peer", "--config", str(tiny_config_with(tmp_path)), "--host", "127.0.0.1", "--device", device)
+    assert_one_line_error(result, 2, message)
+
+
+def test_a_corpus_too_small_for_one_batch_is_one_line_at_start_up(tmp_path):
+    paragraphs = [f"Paragraph {i} says a few plain words about river stones and morning light." for i in range(40)]
+    (tmp_path / "tiny.txt").write_text("\n\n".join(paragraphs))  # some sequences, fewer than a batch
+    config = tiny_config_with(tmp_path, data={"source": "files", "paths": ["tiny.txt"], "max_documents": 0},
+                              inner={"batch_size": 64})
+    result = run_cli("peer", "--config", str(config), "--host", "127.0.0.1")
+    assert_one_line_error(result, 2, "inner.batch_size = 64")
+
+
+def test_a_missing_data_file_is_one_line(tmp_path):
+    config = tiny_config_with(tmp_path, data={"source": "files", "paths": ["nowhere.txt"]})
+    result = run_cli("peer", "--config", str(config), "--host", "127.0.0.1")
+    assert_one_line_error(result, 2, str(tmp_path / "nowhere.txt"), "does not exist")

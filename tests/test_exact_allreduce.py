@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from p2p_diloco.config import SwarmConfig
-from p2p_diloco.swarm.node import start_dht, visible_maddrs
+from p2p_diloco.swarm.node import start_run_node, visible_maddrs
 from p2p_diloco.sync.outer_sync import OuterSync
 from p2p_diloco.hashing import tensors_sha256
 
@@ -20,14 +20,18 @@ def test_weighted_mean_is_bit_identical_on_all_peers():
     inputs = [[torch.randn(s, generator=generator) * 1e-2 for s in shapes] for _ in range(4)]
     samples = [16, 48, 32, 160]
     dhts, syncs = [], []
+    start = "5" * 64  # the sha256 of the global state every peer starts from
     try:
         for _ in range(4):
-            dhts.append(start_dht("127.0.0.1", 0, initial_peers=visible_maddrs(dhts[0]) if dhts else ()))
-        syncs = [OuterSync(d, "exact", shapes, cfg, state_provider=lambda: ({}, [])) for d in dhts]
+            first = visible_maddrs(dhts[0]) if dhts else ()
+            dht, identity = start_run_node("exact", "127.0.0.1", 0, initial_peers=first)
+            dhts.append(dht)
+            syncs.append(OuterSync(dht, "exact", "f" * 64, identity.record_subkey, shapes, cfg,
+                                   state_provider=lambda: ({}, [])))
         results = [None] * 4
 
         def average(i):
-            results[i] = syncs[i].average(inputs[i], samples[i], outer_step=0, global_sha256="same start")
+            results[i] = syncs[i].average(inputs[i], samples[i], outer_step=0, global_sha256=start)
 
         threads = [threading.Thread(target=average, args=(i,)) for i in range(4)]
         for t in threads:

@@ -10,35 +10,17 @@ import os
 import signal
 
 import pytest
+import torch
 
 from p2p_diloco.metrics import read_metrics
 from p2p_diloco.process_tree import is_running
-from tests.conftest import descendants
+from tests.conftest import TINY, descendants
 from tests.swarm_helpers import (
-    assert_consistent, last_step, outer_steps, start_bootstrap, start_peer, tiny_config_file, wait_until,
+    assert_consistent, hashes_by_step, last_step, outer_steps, peer_id_of, proc, start_peer, swarm, wait_for_steps,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
-
-FAST_TIMEOUTS = {"next_chunk_timeout": 3.0, "round_wait_timeout": 15.0, "progress_ttl": 12.0}
-
-
-def swarm(processes, tmp_path, n, faults_by_peer=None, **sections):
-    """A bootstrap node and n peers; returns (maddr, config, metrics files)."""
-    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS, **sections)
-    maddr = start_bootstrap(processes)
-    faults_by_peer = faults_by_peer or {}
-    metrics = [start_peer(processes, f"peer{i}", config, maddr, faults=faults_by_peer.get(i, "")) for i in range(n)]
-    return maddr, config, metrics
-
-
-def proc(processes, name):
-    return next(p for p in processes.procs if p.name == name)
-
-
-def wait_for_steps(metrics, count, timeout_s=240):
-    wait_until(lambda: all(last_step(m) >= count for m in metrics), timeout_s, f"outer step {count} on all peers")
-
 
 def test_kill_during_inner_steps(processes, tmp_path):
     _, _, metrics = swarm(processes, tmp_path, 3, {2: "inner_step_delay=0.3"})
@@ -61,6 +43,8 @@ PAUSE_IN_SECOND_ROUND = "allreduce_delay=4,allreduce_delay_round=2"
 
 def wait_for_pause(processes, name):
     wait_until(lambda: "pausing mid all-reduce" in processes.log(name), 180, f"{name} to pause mid all-reduce")
+    before_pause = processes.log(name).split("pausing mid all-reduce")[0]
+    assert before_pause.count("all-reduce started") == 2, "the pause belongs in the second all-reduce"
 
 
 def test_kill_mid_allreduce(processes, tmp_path):
@@ -73,6 +57,15 @@ def test_kill_mid_allreduce(processes, tmp_path):
     # the survivors were waiting on peer2's parts: that round was partial, detected, and not applied
     failed = [r for m in metrics[:2] for r in read_metrics(m) if r["event"] == "round_failed"]
     assert failed and all("not averaged" in r["reason"] for r in failed), failed
+    # the next pseudo-gradient holds the inner steps of the failed round too, and is weighted by them
+    samples_per_round = 10 * TINY["inner"]["batch_size"]
+    retried = []
+    for path in metrics[:2]:
+        events = [r for r in read_metrics(path) if r["event"] in ("round_failed", "outer_step", "state_loaded")]
+        after_failure = [after for event, after in zip(events, events[1:]) if event["event"] == "round_failed"]
+        retried += [r for r in after_failure[:1] if r["event"] == "outer_step"]
+    assert retried, "no survivor retried the failed step"
+    assert all(r["samples"] > samples_per_round for r in retried), retried
 
 
 def test_freeze_mid_allreduce_then_resume(processes, tmp_path):
@@ -91,20 +84,28 @@ def test_freeze_mid_allreduce_then_resume(processes, tmp_path):
 
 
 def test_kill_while_serving_state(processes, tmp_path):
-    # each donor takes 2 s to serve (less than next_chunk_timeout): the kill lands mid-transfer
+    # each donor pauses 2 s after the first part of its state (less than next_chunk_timeout): the kill
+    # lands mid-transfer, and the joiner must go on to the other donor
     maddr, config, metrics = swarm(processes, tmp_path, 2, {0: "serve_state_delay=2", 1: "serve_state_delay=2"})
     wait_for_steps(metrics, 2)
     late = start_peer(processes, "late", config, maddr)
     servers = ["peer0", "peer1"]
-    wait_until(lambda: any("serving state slowly" in processes.log(n) for n in servers), 120,
-               "a peer to start serving its state")
-    server = next(n for n in servers if "serving state slowly" in processes.log(n))
+    wait_until(lambda: any("pausing mid state transfer" in processes.log(n) for n in servers), 120,
+               "a peer to pause mid state transfer")
+    server = next(n for n in servers if "pausing mid state transfer" in processes.log(n))
     processes.kill(proc(processes, server))
-    survivor = [m for n, m in zip(servers, metrics) if n != server]
+    killed, survivor = (metrics[0], metrics[1]) if server == "peer0" else (metrics[1], metrics[0])
     wait_until(lambda: len(outer_steps(late)) >= 2, 240, "two outer steps of the joiner")
-    assert "state_loaded" in [r["event"] for r in read_metrics(late)]
+    downloads = [r for r in read_metrics(late) if r["event"] in ("state_loaded", "state_load_failed")]
+    loaded = next(r for r in downloads if r["event"] == "state_loaded")
+    assert loaded["donor"] == peer_id_of(survivor), loaded
+    # the kill broke the first download, whose attempt went on to the other donor (the swarm may have
+    # moved on meanwhile, so that the joiner took the state of a later step, in a later download)
+    first = downloads[0]
+    assert first["failed_donors"][peer_id_of(killed)].startswith("transfer failed"), first
+    assert first.get("donor") == peer_id_of(survivor) or peer_id_of(survivor) in first["failed_donors"], first
     assert outer_steps(late)[-1]["group_size"] == 2, "the joiner should train with the surviving donor"
-    assert_consistent([*survivor, late])
+    assert_consistent([survivor, late])
 
 
 def test_slow_peer_contributes_what_it_managed(processes, tmp_path):
@@ -139,15 +140,22 @@ def test_clean_leave_on_sigterm(processes, tmp_path):
 def test_restart_from_checkpoint(processes, tmp_path):
     maddr, config, metrics = swarm(processes, tmp_path, 3)
     ckpt = tmp_path / "ckpt"
-    # peer3 keeps checkpoints; it is killed and restarted with the same directory
-    restarted = start_peer(processes, "peer3", config, maddr, "--checkpoint-dir", str(ckpt))
+    # peer3 keeps checkpoints; it is killed and restarted with the same directory and identity
+    identity = ["--checkpoint-dir", str(ckpt), "--identity-path", str(tmp_path / "peer3.key")]
+    restarted = start_peer(processes, "peer3", config, maddr, *identity)
     wait_for_steps([*metrics, restarted], 2)
     processes.kill(proc(processes, "peer3"))
-    assert (ckpt / "checkpoint.pt").exists()
-    start_peer(processes, "peer3", config, maddr, "--checkpoint-dir", str(ckpt))
+    saved = torch.load(ckpt / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert saved["outer_step"] >= 2 and saved["data_position"] > 0
+    start_peer(processes, "peer3", config, maddr, *identity)
     joins = lambda: [r for r in read_metrics(restarted) if r["event"] == "join"]  # noqa: E731
     wait_until(lambda: len(joins()) == 2, 120, "the restarted peer to join")
-    assert joins()[1]["from_checkpoint"] is True and joins()[1]["outer_step"] >= 2
+    rejoin = joins()[1]
+    # it is back with the state and the data position it saved, not with what it would download
+    assert rejoin["from_checkpoint"] is True and rejoin["peer_id"] == joins()[0]["peer_id"]
+    assert (rejoin["outer_step"], rejoin["global_sha256"]) == (saved["outer_step"], saved["sha256"])
+    assert rejoin["data_position"] == saved["data_position"]
+    assert saved["sha256"] in hashes_by_step(metrics)[saved["outer_step"]]
     resumed_at = len(outer_steps(restarted))
     wait_until(lambda: len(outer_steps(restarted)) >= resumed_at + 2, 240, "two outer steps after the restart")
     assert_consistent([*metrics, restarted])

@@ -1,6 +1,11 @@
 """How a peer decides, from the progress records alone, to train or to load the agreed state."""
 
-from p2p_diloco.swarm.progress import LOADING, READY, TRAINING, PeerProgress, agreed_sha256, plan_round
+import pytest
+
+from p2p_diloco.swarm.identity import Identity
+from p2p_diloco.swarm.progress import (
+    LOADING, READY, TRAINING, PeerProgress, agreed_sha256, parse_progress, plan_round,
+)
 
 
 def rec(peer, step, sha, phase=TRAINING):
@@ -41,3 +46,38 @@ def test_a_loading_peer_neither_sets_the_frontier_nor_votes():
     records = {"a": rec("a", 7, "aa"), "b": rec("b", 7, "aa", READY), "c": rec("c", 7, "ff", LOADING),
                "e": rec("e", 7, "ff", LOADING), "d": rec("d", 9, "99", LOADING)}
     assert plan_round(records, 7, "aa").action == "train"
+
+
+def test_a_load_plan_names_the_records_that_vouch_for_its_target():
+    records = {"a": rec("a", 5, "ff"), "b": rec("b", 5, "ff"), "c": rec("c", 5, "ee"), "me": rec("me", 2, "00")}
+    plan = plan_round(records, 2, "00")
+    assert plan.claims == {"a": (5, "ff"), "b": (5, "ff")}
+
+
+FINGERPRINT = "f" * 64
+GOOD = dict(outer_step=3, sha256="ab" * 32, phase="training", samples=12, time=1.0, fingerprint=FINGERPRINT)
+
+
+def test_a_signed_record_speaks_for_its_signer_only():
+    identity = Identity.load_or_create(None)
+    identity.forget_file()
+    record = parse_progress(identity.record_subkey, dict(GOOD), FINGERPRINT)
+    assert record.peer_id == identity.peer_id and record.outer_step == 3
+
+
+@pytest.mark.parametrize("change", [
+    {"outer_step": "9"}, {"outer_step": -1}, {"outer_step": 2**40}, {"samples": 1.5}, {"sha256": "xyz"},
+    {"phase": "bogus"}, {"time": float("nan")}, {"extra": 1},
+])
+def test_malformed_progress_records_are_ignored(change):
+    identity = Identity.load_or_create(None)
+    identity.forget_file()
+    assert parse_progress(identity.record_subkey, {**GOOD, **change}, FINGERPRINT) is None
+
+
+def test_records_without_an_owner_or_of_other_settings_are_ignored():
+    identity = Identity.load_or_create(None)
+    identity.forget_file()
+    assert parse_progress(b"no owner", dict(GOOD), FINGERPRINT) is None
+    assert parse_progress(identity.record_subkey, "garbage", FINGERPRINT) is None
+    assert parse_progress(identity.record_subkey, dict(GOOD), "e" * 64) is None

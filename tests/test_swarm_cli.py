@@ -2,6 +2,7 @@
 
 import pytest
 
+from p2p_diloco.metrics import read_metrics
 from tests.swarm_helpers import (
     hashes_by_step, outer_steps, start_bootstrap, start_peer, tiny_config_file, wait_until,
 )
@@ -55,3 +56,18 @@ def test_late_joiner_loads_the_state_and_then_agrees(processes, tmp_path):
     by_step = hashes_by_step([*early, late])
     for record in outer_steps(late):
         assert by_step[record["outer_step"]] == {record["global_sha256"]}, f"late joiner differs at {record}"
+
+
+def test_peers_with_other_settings_never_average_together(processes, tmp_path):
+    # the same model and sizes, but a tokenizer trained on another corpus (a different pydoc_data, as
+    # another Python version ships, gives the same effect): the parameters mean different things
+    first = tiny_config_file(tmp_path / "a", inner={"steps_per_outer": 10})
+    second = tiny_config_file(tmp_path / "b", inner={"steps_per_outer": 10}, data={"max_documents": 30})
+    maddr = start_bootstrap(processes)
+    metrics = [start_peer(processes, "peer0", first, maddr), start_peer(processes, "peer1", second, maddr)]
+    wait_until(lambda: all(len(outer_steps(m)) >= 3 for m in metrics), 240, "three outer steps of each peer")
+    for path in metrics:
+        assert all(r["group_size"] == 1 for r in outer_steps(path)), outer_steps(path)
+        assert not [r for r in read_metrics(path) if r["event"] == "state_loaded"]
+    for name in ("peer0", "peer1"):
+        assert "ignoring the progress of a peer with other run settings" in processes.log(name)

@@ -2,7 +2,9 @@
 
 hivemind listens on loopback by default; a node reachable over the internet listens on ``0.0.0.0``
 (``--host``) and announces its public address (``--announce-ip``). The identity file keeps the same
-peer ID, hence the same multiaddr, across restarts: a bootstrap node's address stays valid.
+peer ID, hence the same multiaddr, across restarts: a bootstrap node's address stays valid. The same
+identity key signs the node's DHT records (:mod:`p2p_diloco.swarm.identity`), and the node checks
+every record it stores or receives with the validators it is given (:mod:`p2p_diloco.swarm.records`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import logging
 from typing import Sequence
 
 from hivemind import DHT
+from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.multiaddr import Multiaddr
+
+from p2p_diloco.swarm.identity import Identity
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +55,7 @@ def parse_initial_peers(maddrs: Sequence[str]) -> list[str]:
         except Exception:
             raise NodeAddressError(
                 f"--initial-peers {text!r} is not a peer multiaddr; expected the form "
-                f"/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... as printed by `p2p-diloco bootstrap`"
+                f"/ip4/203.0.113.5/tcp/31337/p2p/QmXyZ... as printed by `p2p-diloco bootstrap`"
             ) from None
         parsed.append(str(maddr))
     return parsed
@@ -59,21 +64,24 @@ def parse_initial_peers(maddrs: Sequence[str]) -> list[str]:
 def start_dht(
     host: str,
     port: int,
+    identity: Identity,
+    record_validators: Sequence[RecordValidatorBase],
     announce_ip: str | None = None,
-    identity_path: str | None = None,
     initial_peers: Sequence[str] = (),
     startup_timeout: float = 60.0,
 ) -> DHT:
     """Start a DHT node (and its p2pd daemon); raise a one-line error if the swarm is unreachable."""
-    kwargs = dict(
+    dht = DHT(
         host_maddrs=listen_maddrs(host, port),
         announce_maddrs=announce_maddrs(announce_ip, port),
         initial_peers=parse_initial_peers(initial_peers),
-        identity_path=identity_path,
+        identity_path=str(identity.path),
+        # hivemind's check asks the swarm whether another node already uses the key: not for a new one
+        check_if_identity_free=not identity.is_new,
+        record_validators=record_validators,
         start=True,
         await_ready=False,
     )
-    dht = DHT(**kwargs)
     try:
         dht.wait_until_ready(timeout=startup_timeout)
     except Exception as e:
@@ -84,9 +92,30 @@ def start_dht(
                 f"node runs and that its address and port are reachable from here."
             ) from None
         raise
+    finally:
+        identity.forget_file()  # p2pd has read it by now (or failed)
     return dht
 
 
 def visible_maddrs(dht: DHT) -> list[str]:
     """The multiaddrs others can dial to reach this node (copy one into --initial-peers)."""
     return [str(m) for m in dht.get_visible_maddrs(latest=True)]
+
+
+def start_run_node(
+    run_name: str,
+    host: str,
+    port: int,
+    identity: Identity | None = None,
+    announce_ip: str | None = None,
+    initial_peers: Sequence[str] = (),
+) -> tuple[DHT, Identity]:
+    """The DHT node of a peer of run `run_name`: it signs its records and checks the run's record schema.
+
+    Without `identity`, the node gets a fresh one for this process.
+    """
+    from p2p_diloco.swarm.records import run_validators
+
+    identity = identity or Identity.load_or_create(None)
+    dht = start_dht(host, port, identity, run_validators(identity, run_name), announce_ip, initial_peers)
+    return dht, identity

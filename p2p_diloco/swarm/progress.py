@@ -1,17 +1,23 @@
 """Swarm progress on the DHT: where every peer is, so peers agree on when and with whom to sync.
 
-Each peer keeps one record under ``<run>_progress`` (subkey: its peer ID), refreshed whenever its
-phase changes and expiring ``progress_ttl`` seconds after the last refresh, so a crashed peer
-disappears by itself. A record says which outer step the peer's θ_global is at, the sha256 of that
-θ_global, and whether the peer is still training toward the next step or ready to average.
+Each peer keeps one record under ``<run>_progress`` (subkey: its owner marker, the value signed by
+its key; see :mod:`p2p_diloco.swarm.records`), refreshed whenever its phase changes and expiring
+``progress_ttl`` seconds after the last refresh, so a crashed peer disappears by itself. A record
+says which outer step the peer's global state is at, the sha256 of that state (θ_global and the
+outer momentum), whether the peer is still training toward the next step or ready to average, and
+the fingerprint of the run settings it trains with. Records of peers with another fingerprint are
+not part of this run's plan: their states cannot be averaged with this peer's.
 
 From these records a peer decides (see :func:`plan_round`):
 
 * it is *behind* when any live peer holds a later outer step: it downloads the state first;
-* it *diverged* when peers at its own step hold another θ_global that more peers share (ties
+* it *diverged* when peers at its own step hold another state that more peers share (ties
   broken by the larger sha256): it downloads that state;
 * otherwise it trains, then averages with the peers at its step that are ready within
   ``round_wait_timeout``, or applies its own pseudo-gradient when it is alone.
+
+A record that claims a state nobody serves (a failed download found no donor of it) is set aside
+until its author publishes another state: a stranger's false claim cannot stall the run.
 """
 
 from __future__ import annotations
@@ -20,27 +26,49 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2p_diloco.remote_input import parse, warn_once
+from p2p_diloco.swarm.identity import owner_peer_id
+from p2p_diloco.swarm.records import LEFT, LOADING, READY, TRAINING, ProgressValue, progress_key
+
 logger = logging.getLogger(__name__)
 
-TRAINING, READY, LOADING, LEFT = "training", "ready", "loading", "left"
+__all__ = ["TRAINING", "READY", "LOADING", "LEFT", "PeerProgress", "SwarmProgress", "RoundPlan", "plan_round"]
 
 
 @dataclass(frozen=True)
 class PeerProgress:
-    peer_id: str
-    outer_step: int  # outer steps applied to this peer's θ_global
-    sha256: str  # of that θ_global
+    peer_id: str  # the peer whose key signed the record
+    outer_step: int  # outer steps applied to this peer's global state
+    sha256: str  # of that state (θ_global and the outer momentum)
     # TRAINING toward outer_step + 1, READY to average for it, LOADING the swarm's state at outer_step
     # (to train toward outer_step + 1 next; its sha256 is not yet that state's), or LEFT the swarm
     phase: str
-    samples: int = 0  # samples processed since the last outer step
+    samples: int = 0  # samples in this peer's pseudo-gradient so far
     time: float = 0.0
+
+
+def parse_progress(subkey: object, value: object, fingerprint: str) -> Optional[PeerProgress]:
+    """The record of the peer that signed it, or None (logged once) if it is not one of this run's."""
+    author = owner_peer_id(subkey) if isinstance(subkey, bytes) else None
+    if author is None:
+        warn_once(repr(subkey)[:40], "a progress record without an owner's key")
+        return None
+    record, problem = parse(ProgressValue, value)
+    if record is None:
+        warn_once(author, "a malformed progress record", problem)
+        return None
+    if record.fingerprint != fingerprint:
+        warn_once(author, "the progress of a peer with other run settings",
+                  f"its settings fingerprint is {record.fingerprint[:12]}, this peer's {fingerprint[:12]}; "
+                  f"the two cannot average together")
+        return None
+    return PeerProgress(author, record.outer_step, record.sha256, record.phase, record.samples, record.time)
 
 
 class SwarmProgress:
@@ -50,11 +78,14 @@ class SwarmProgress:
     outlives long inner phases, and vanishes within `ttl` of the peer crashing or freezing.
     """
 
-    def __init__(self, dht: DHT, run_name: str, ttl: float):
+    def __init__(self, dht: DHT, run_name: str, ttl: float, record_subkey: bytes, fingerprint: str):
         self.dht = dht
-        self.key = f"{run_name}_progress"
+        self.key = progress_key(run_name)
         self.ttl = ttl
+        self.record_subkey = record_subkey
+        self.fingerprint = fingerprint
         self.peer_id = dht.peer_id.to_base58()
+        self._unverified: dict[str, tuple[int, str]] = {}  # peer ID -> the state it claims that nobody served
         self._latest: Optional[PeerProgress] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -70,9 +101,11 @@ class SwarmProgress:
     def _store(self, record: PeerProgress) -> None:
         # hivemind keeps whichever value of a subkey expires last, so every record (a LEFT one too)
         # must expire later than the one it replaces: all use the same ttl from "now"
+        value = dict(outer_step=record.outer_step, sha256=record.sha256, phase=record.phase, samples=record.samples,
+                     time=record.time, fingerprint=self.fingerprint)
         try:
             ok = self.dht.store(
-                self.key, value=asdict(record), subkey=self.peer_id, expiration_time=get_dht_time() + self.ttl
+                self.key, value=value, subkey=self.record_subkey, expiration_time=get_dht_time() + self.ttl
             )
         except Exception as e:  # the DHT process is gone (shutting down): nothing left to tell
             logger.debug("could not store the progress record: %r", e)
@@ -91,20 +124,30 @@ class SwarmProgress:
         self._heartbeat.join(timeout=5)
 
     def fetch(self) -> dict[str, PeerProgress]:
-        """Live records of every peer, this one included (peers that left are omitted)."""
+        """Live records of this run's peers, this one included (peers that left are omitted, and so are
+        claims of a state that nobody served)."""
         found = self.dht.get(self.key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return {}
         records = {}
         for subkey, item in found.value.items():
-            try:
-                record = PeerProgress(**item.value)
-            except (TypeError, AttributeError):
-                logger.debug("ignoring a malformed progress record under %r", subkey)
+            record = parse_progress(subkey, getattr(item, "value", None), self.fingerprint)
+            if record is None or record.phase == LEFT:
                 continue
-            if record.phase != LEFT:
-                records[record.peer_id] = record
+            if self._unverified.get(record.peer_id) == (record.outer_step, record.sha256):
+                continue
+            self._unverified.pop(record.peer_id, None)  # it moved on: its new claim counts again
+            records[record.peer_id] = record
         return records
+
+    def set_aside(self, claims: dict[str, tuple[int, str]]) -> None:
+        """Ignore these peers' records while they claim the same (outer step, sha256): nobody served it."""
+        for peer_id, claim in claims.items():
+            if peer_id == self.peer_id:
+                continue
+            self._unverified[peer_id] = claim
+            logger.warning("setting aside the record of peer %s: it claims outer step %d (%s) but no peer served "
+                           "that state", peer_id, claim[0], claim[1][:12])
 
     def wait_for_peers(self, count: int, timeout: float, stop: threading.Event, poll: float = 0.5) -> int:
         """Wait until `count` live peers (this one included) have records, `timeout` s, or `stop`.
@@ -127,19 +170,23 @@ class SwarmProgress:
     def wait_for_groupmates(
         self, outer_step: int, timeout: float, stop: threading.Event, poll: float = 0.5
     ) -> dict[str, PeerProgress]:
-        """Wait until no live peer is still training (or loading the state) toward `outer_step + 1`,
-        `timeout` s, or `stop`.
+        """Wait until no live peer is still on its way to averaging toward `outer_step + 1`: training or
+        loading the state at `outer_step`, or still committing the round that brings it there (its
+        record says ready at `outer_step - 1`). At most `timeout` s, or until `stop`.
 
-        Returns the records seen last. Peers still training after the timeout are left behind:
-        they catch up by downloading the state afterwards. Waiting for a loading peer keeps a swarm
-        whose rounds are shorter than a state download from running away from every joiner.
+        Returns the records seen last. Peers still busy after the timeout are left behind: they catch
+        up by downloading the state afterwards. Waiting for a loading peer keeps a swarm whose rounds
+        are shorter than a state download from running away from every joiner; waiting for a
+        committing one keeps a peer that committed first from averaging alone while its groupmates
+        still read the round's reports.
         """
         deadline = time.monotonic() + timeout
         announced: set[str] = set()
         while True:
             records = self.fetch()
             busy = {r.peer_id: r.phase for r in records.values()
-                    if r.outer_step == outer_step and r.phase in (TRAINING, LOADING)}
+                    if (r.outer_step == outer_step and r.phase in (TRAINING, LOADING))
+                    or (r.outer_step == outer_step - 1 and r.phase == READY and r.peer_id != self.peer_id)}
             if not busy:
                 return records
             if set(busy) - announced:
@@ -167,6 +214,8 @@ class RoundPlan:
     reason: str
     target_step: int
     target_sha256: Optional[str] = None
+    # for "load": the peers whose records claim the target state, and that claim
+    claims: Optional[dict[str, tuple[int, str]]] = None
 
 
 def agreed_sha256(records: dict[str, PeerProgress], outer_step: int) -> Optional[str]:
@@ -182,9 +231,14 @@ def plan_round(records: dict[str, PeerProgress], my_step: int, my_sha256: str) -
     others = {pid: r for pid, r in records.items() if r.sha256 != my_sha256 or r.outer_step != my_step}
     frontier = max((r.outer_step for r in others.values()), default=my_step)
     if frontier > my_step:
-        return RoundPlan("load", f"the swarm is at outer step {frontier}, this peer at {my_step}", frontier,
-                         agreed_sha256(records, frontier))
+        return _load(records, frontier, f"the swarm is at outer step {frontier}, this peer at {my_step}")
     agreed = agreed_sha256(records, my_step)
     if agreed is not None and agreed != my_sha256:
-        return RoundPlan("load", f"peers at outer step {my_step} agree on another global model", my_step, agreed)
+        return _load(records, my_step, f"peers at outer step {my_step} agree on another global state")
     return RoundPlan("train", "in step with the swarm", my_step)
+
+
+def _load(records: dict[str, PeerProgress], step: int, reason: str) -> RoundPlan:
+    sha = agreed_sha256(records, step)
+    claims = {pid: (r.outer_step, r.sha256) for pid, r in records.items() if r.outer_step == step and r.sha256 == sha}
+    return RoundPlan("load", reason, step, sha, claims)

@@ -21,50 +21,69 @@ from typing import Optional
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2p_diloco.remote_input import parse, warn_once
+from p2p_diloco.swarm.identity import owner_peer_id
+from p2p_diloco.swarm.records import RoundReport, RoundReportsValue, rounds_key
+
 logger = logging.getLogger(__name__)
 
 
 class RoundReports:
-    """Round outcome reports under ``<run>_round_<step>``, one subkey per peer."""
+    """Round outcome reports under ``<run>_rounds``: one signed subkey per peer, holding its two latest
+    reports (a groupmate that is slow to read must still find the report on the round it waits for,
+    after this peer has moved on to the next one)."""
 
-    def __init__(self, dht: DHT, run_name: str, ttl: float):
+    def __init__(self, dht: DHT, run_name: str, ttl: float, record_subkey: bytes):
         self.dht = dht
-        self.run_name = run_name
+        self.key = rounds_key(run_name)
         self.ttl = ttl
-        self.peer_id = dht.peer_id.to_base58()
-
-    def _key(self, outer_step: int) -> str:
-        return f"{self.run_name}_round_{outer_step}"
+        self.record_subkey = record_subkey
+        self._published: list[dict] = []  # newest first
 
     def publish(self, outer_step: int, token: str, complete: bool, mean_sha256: Optional[str]) -> None:
-        value = dict(token=token, complete=complete, mean_sha256=mean_sha256)
+        report = dict(outer_step=outer_step, token=token, complete=complete, mean_sha256=mean_sha256)
+        self._published = [report, *self._published[:1]]
         try:
-            self.dht.store(self._key(outer_step), value=value, subkey=self.peer_id,
+            self.dht.store(self.key, value=dict(reports=self._published), subkey=self.record_subkey,
                            expiration_time=get_dht_time() + self.ttl)
         except Exception as e:  # the report is best effort: silence makes groupmates roll back
             logger.warning("could not publish the round report: %r", e)
 
-    def _fetch(self, outer_step: int) -> dict[str, dict]:
-        found = self.dht.get(self._key(outer_step), latest=True)
+    def _fetch(self) -> dict[str, list[RoundReport]]:
+        """Each reporting peer's latest reports, by the peer ID of the key that signed them."""
+        found = self.dht.get(self.key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return {}
-        return {subkey: item.value for subkey, item in found.value.items() if isinstance(item.value, dict)}
+        reports = {}
+        for subkey, item in found.value.items():
+            author = owner_peer_id(subkey) if isinstance(subkey, bytes) else None
+            value, problem = parse(RoundReportsValue, getattr(item, "value", None))
+            if author is None or value is None:
+                warn_once(author or repr(subkey)[:40], "a malformed round report", problem or "no owner's key")
+                continue
+            reports[author] = list(value.reports)
+        return reports
 
     def agree(
         self, outer_step: int, tokens: dict[str, str], mean_sha256: str, timeout: float, stop: threading.Event
     ) -> Optional[str]:
-        """None if every groupmate reported the same complete mean; else why the round is void."""
+        """None if every groupmate reported the same complete mean; else why the round is void.
+
+        `tokens` maps each groupmate's peer ID (as the all-reduce group knows it) to the attempt token
+        it gathered; a report counts only if that peer signed it and it names this step and token.
+        """
         deadline = time.monotonic() + timeout
         while True:
-            reports = self._fetch(outer_step)
+            reports = self._fetch()
             missing = []
             for peer_id, token in tokens.items():
-                report = reports.get(peer_id)
-                if report is None or report.get("token") != token:
+                report = next((r for r in reports.get(peer_id, ()) if (r.outer_step, r.token) == (outer_step, token)),
+                              None)
+                if report is None:
                     missing.append(peer_id)
-                elif not report.get("complete"):
+                elif not report.complete:
                     return f"groupmate {peer_id[-8:]} reported an incomplete round"
-                elif report.get("mean_sha256") != mean_sha256:
+                elif report.mean_sha256 != mean_sha256:
                     return f"groupmate {peer_id[-8:]} holds a different mean"
             if not missing:
                 return None

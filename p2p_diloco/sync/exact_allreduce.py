@@ -22,16 +22,25 @@ matchmaking or timeouts is touched:
 A round in which a reducer failed is partial: its parts keep each peer's own input (hivemind only
 logs a warning and reports success). Here that raises :class:`PartialRoundError`, so the caller
 knows the tensors it holds are not the group's mean.
+
+Nothing a groupmate sends is used unchecked (:mod:`p2p_diloco.remote_input`): its gathered metadata
+must match the schema before any tensor moves (:class:`~p2p_diloco.sync.group_screen.GroupScreen`);
+each sender's weight in the mean is the sample count it gathered, not a number in its messages; and
+every part received, as a reducer or from one, must be a finite fp32 tensor of the expected shape.
+A reducer that received a bad part marks the round partial for itself, so its report voids the
+round for the whole group (:mod:`p2p_diloco.sync.commit`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import multiprocessing as mp
 from typing import AsyncIterator, Optional, Sequence
 
+import hivemind.averaging.averager
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -43,6 +52,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor, anext, as_aiter, attach_event_on_finished, azip
 
 from p2p_diloco import faults
+from p2p_diloco.remote_input import tensor_problem
+from p2p_diloco.sync.group_screen import GroupScreen, ScreenedMatchmaking
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +91,17 @@ class TrafficCounters:
 
 
 class ExactAllReduceRunner(AllReduceRunner):
-    """Butterfly all-reduce whose output is the averaged tensor itself, identical on every peer."""
+    """Butterfly all-reduce whose output is the averaged tensor itself, identical on every peer.
 
-    def __init__(self, *, traffic: "TrafficCounters", fault_pause_s: float = 0.0, **kwargs):
+    ``sender_weights`` maps each sender to its weight in the mean (the samples it gathered).
+    """
+
+    def __init__(self, *, traffic: "TrafficCounters", sender_weights: dict[PeerID, float], screen: GroupScreen,
+                 fault_pause_s: float = 0.0, **kwargs):
         super().__init__(**kwargs)
+        self.sender_weights = sender_weights
+        self.screen = screen  # a groupmate that sends a malformed part is banned there
+        self.bad_input: Optional[str] = None  # set when a sender's part was malformed: the round is void
         self.fault_pause_s = fault_pause_s
         # a failed reducer's parts then keep the local input (not a zero delta): see PartialRoundError
         self.tensor_part_container.return_deltas = False
@@ -110,7 +128,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
             averaged_part = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, tensor_part, weight=self.weight
+                sender_index, part_index, tensor_part, weight=self.sender_weights[peer_id]
             )
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
 
@@ -140,6 +158,11 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 averaged_part = await loop.run_in_executor(None, deserialize_torch_tensor, msg.tensor_part)
+                expected = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0].shape
+                problem = tensor_problem(averaged_part, expected, f"averaged part {part_index}")
+                if problem is not None:
+                    self.screen.ban(peer_id, "a malformed averaged part", problem)
+                    raise AllreduceException(f"{peer_id} sent a malformed averaged part: {problem}")
                 self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
                 part_index += 1
             if part_index != num_parts:
@@ -177,19 +200,32 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Reduce a sender's parts as they arrive and reply to each with the averaged part."""
         parts_reduced = 0
         loop = asyncio.get_event_loop()
+        sender = self.sender_peer_ids[sender_index]
         try:
             def decode(msg: averaging_pb2.AveragingData):
                 self.traffic.add(received=len(msg.tensor_part.buffer))
-                return deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression
+                try:
+                    return deserialize_torch_tensor(msg.tensor_part), msg.tensor_part.compression
+                except Exception as e:  # a stranger's bytes: a malformed part, checked below
+                    return e, None
 
-            async for tensor_part, weight, compression in amap_in_executor(
+            async for tensor_part, compression in amap_in_executor(
                 decode,
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                if parts_reduced >= self.tensor_part_reducer.num_parts:
+                    problem = "more parts than it was given to send"
+                else:
+                    problem = tensor_problem(tensor_part, self.tensor_part_reducer.part_shapes[parts_reduced],
+                                             f"part {parts_reduced}")
+                if problem is not None:
+                    self.screen.ban(sender, "a malformed all-reduce part", problem)
+                    self.bad_input = f"{sender} sent a malformed part: {problem}"
+                    break
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, parts_reduced, tensor_part, weight=weight
+                        sender_index, parts_reduced, tensor_part, weight=self.sender_weights[sender]
                     )
                 except BannedException:
                     break  # the sender was banned meanwhile: its remaining parts are not needed
@@ -206,29 +242,32 @@ class ExactAllReduceRunner(AllReduceRunner):
 
 
 class ExactMeanAverager(DecentralizedAverager):
-    """A DecentralizedAverager whose ``step()`` leaves the same bytes on every peer of the group.
+    """A DecentralizedAverager whose ``step()`` leaves the same bytes on every peer of the group,
+    weighted by the samples each member gathered, among groupmates whose metadata passed the screen."""
 
-    ``state_provider`` (called in the host process when a peer downloads state) returns
-    ``(metadata, tensors)``; it replaces hivemind's default of serving the averaged tensors.
-    """
-
-    def __init__(self, *args, state_provider=None, **kwargs):
-        self._state_provider = state_provider
+    def __init__(self, *args, **kwargs):
         self.traffic = TrafficCounters()  # created before the averager process forks, so both see it
+        self.screen = GroupScreen()  # used in the averager process
         self.rounds_started = 0  # counted in the averager process
         super().__init__(*args, **kwargs)
 
-    def get_current_state(self):
-        if self._state_provider is None:
-            return super().get_current_state()
-        metadata, tensors = self._state_provider()
-        faults.while_serving_state()
-        return metadata, tensors, None
+    def _run_internal(self):
+        # This runs in the averager's own process, where hivemind builds its Matchmaking by name:
+        # the name is bound to the screened subclass there, so banned peers stay out of our groups.
+        hivemind.averaging.averager.Matchmaking = functools.partial(ScreenedMatchmaking, screen=self.screen)
+        super()._run_internal()
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs
     ):
         group_id = group_info.group_id if group_id is None else group_id
+        assert group_id in self._running_groups, f"group {group_id} was not registered"
+        try:
+            metadata = self.screen.check_group(group_info)
+        except Exception as e:  # no tensor moves in this group; senders that reach us get the error at once
+            self._running_groups[group_id].set_exception(e)
+            raise
+        self.rounds_started += 1
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -237,12 +276,13 @@ class ExactMeanAverager(DecentralizedAverager):
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             traffic=self.traffic,
+            sender_weights={peer_id: float(meta.samples) for peer_id, meta in metadata.items()},
+            screen=self.screen,
             fault_pause_s=faults.allreduce_pause_s(self.rounds_started),
             **kwargs,
         )
-        self.rounds_started += 1
-        logger.info("all-reduce started: group of %d", len(group_info.peer_ids))
-        assert group_id in self._running_groups, f"group {group_id} was not registered"
+        logger.info("all-reduce started: group of %d (%s)", len(group_info.peer_ids),
+                    ", ".join(peer.to_base58()[-8:] for peer in group_info.peer_ids))
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:
@@ -250,6 +290,8 @@ class ExactMeanAverager(DecentralizedAverager):
             return
         async for tensor, averaged in azip(as_aiter(*tensors), runner):
             tensor.copy_(averaged)
+        if runner.bad_input is not None:
+            raise PartialRoundError(f"a groupmate's input was malformed ({runner.bad_input})")
         failed = runner.tensor_part_container.failed_size
         if failed:
             raise PartialRoundError(

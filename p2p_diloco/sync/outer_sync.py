@@ -7,7 +7,10 @@ bit-identical on every peer of the group. Only peers at the same outer step can 
 number is part of the matchmaking key.
 
 The same averager serves this peer's global state to joiners (``rpc_download_state``) and
-downloads the state of others (see :mod:`p2p_diloco.sync.state_transfer`).
+downloads the state of others (see :mod:`p2p_diloco.sync.state_transfer`). Its DHT keys and its
+network handlers are named after the run and the fingerprint of the run's settings
+(:func:`averager_prefix`): peers that train with other settings never meet in a group and never
+serve each other state.
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from hivemind.averaging.matchmaking import MatchmakingException
 
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.hashing import tensors_sha256
+from p2p_diloco.remote_input import parse
 from p2p_diloco.sync.commit import RoundReports
 from p2p_diloco.sync.exact_allreduce import ExactMeanAverager
+from p2p_diloco.sync.group_screen import GroupMetadata
+from p2p_diloco.sync.state_transfer import StateSharing
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +62,12 @@ class RoundFailed(RuntimeError):
         self.tensors_touched = tensors_touched
 
 
-def averager_prefix(run_name: str) -> str:
-    return f"{run_name}_outer"
+def averager_prefix(run_name: str, fingerprint: str) -> str:
+    return f"{run_name}_{fingerprint[:16]}_outer"
+
+
+class SwarmAverager(StateSharing, ExactMeanAverager):
+    """The exact all-reduce of the pseudo-gradients and the checked transfer of the global state."""
 
 
 class OuterSync:
@@ -67,19 +77,21 @@ class OuterSync:
         self,
         dht: DHT,
         run_name: str,
+        fingerprint: str,
+        record_subkey: bytes,
         shapes: Sequence[torch.Size],
         cfg: SwarmConfig,
         state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
     ):
         self.cfg = cfg
         self.peer_id = dht.peer_id.to_base58()
-        self.reports = RoundReports(dht, run_name, ttl=cfg.progress_ttl)
+        self.reports = RoundReports(dht, run_name, ttl=cfg.progress_ttl, record_subkey=record_subkey)
         buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
-        self.averager = ExactMeanAverager(
+        self.averager = SwarmAverager(
             buffers,
             dht,
             start=True,
-            prefix=averager_prefix(run_name),
+            prefix=averager_prefix(run_name, fingerprint),
             min_matchmaking_time=cfg.matchmaking_time,
             request_timeout=cfg.request_timeout,
             allreduce_timeout=cfg.allreduce_timeout,
@@ -140,16 +152,21 @@ class OuterSync:
         gathered = self._wait(control, stop.is_set, deadline=time.monotonic() + timeout + self.cfg.allreduce_timeout)
         if gathered is None:
             raise RoundFailed("no group formed", tensors_touched=False)
-        starts = {(meta["outer_step"], meta["global_sha256"]) for meta in gathered.values()}
+        metadata = {}
+        for peer, meta in gathered.items():  # checked in the averager process already: this cannot fail there
+            metadata[peer.to_base58()], problem = parse(GroupMetadata, meta)
+            if problem is not None:
+                raise RoundFailed(f"groupmate {peer} gathered malformed metadata: {problem}", tensors_touched=True)
+        starts = {(meta.outer_step, meta.global_sha256) for meta in metadata.values()}
         if starts != {(outer_step, global_sha256)}:
-            raise RoundFailed("groupmates started from different global models", tensors_touched=True)
+            raise RoundFailed("groupmates started from different global states", tensors_touched=True)
         with self.averager.get_tensors() as buffers:
             mean = [b.clone() for b in buffers]
         return GroupMean(
             mean=mean,
-            group_size=len(gathered),
-            group_samples=sum(int(meta["samples"]) for meta in gathered.values()),
-            tokens={peer.to_base58(): meta["token"] for peer, meta in gathered.items()},
+            group_size=len(metadata),
+            group_samples=sum(meta.samples for meta in metadata.values()),
+            tokens={peer_id: meta.token for peer_id, meta in metadata.items()},
         )
 
     def _wait(self, control, should_stop: Callable[[], bool], deadline: float):
@@ -173,20 +190,6 @@ class OuterSync:
     def set_state_priority(self, priority: float) -> None:
         """Joiners download from the peer with the highest priority first."""
         self.averager.state_sharing_priority = priority
-
-    def download_state(
-        self, timeout: float, should_stop: Callable[[], bool] = lambda: False
-    ) -> Optional[tuple[dict, list[torch.Tensor]]]:
-        """The global state of the peer with the highest priority that answers, or None."""
-        future = self.averager.load_state_from_peers(wait=False, timeout=timeout)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not should_stop():
-            try:
-                return future.result(timeout=0.5)
-            except concurrent.futures.TimeoutError:
-                continue
-        future.cancel()
-        return None
 
     def shutdown(self) -> None:
         if self.averager.is_alive():

@@ -1,24 +1,58 @@
 """Global state transfer: what a joiner downloads, and the checks before it is used.
 
 The state is θ_global and the outer momentum (fp32), with metadata: the outer step, the sha256 of
-θ_global and the inner step count (a joiner aligns its lr schedule to it). A download is accepted
-only if the tensors hash to the sha256 the sender announced, and, when the caller asks for a
-specific state (the one the swarm agrees on), only if it is that one.
+both (the state hash every peer publishes) and the inner step count (a joiner aligns its lr schedule
+to it). It is served through hivemind's ``rpc_download_state`` and downloaded from the donor with
+the highest declared priority that answers. A peer downloads exactly the state that the swarm's
+progress records vouch for (an outer step and its sha256, see :func:`p2p_diloco.swarm.progress.plan_round`):
+a donor cannot hand it any other state, however well-formed.
+
+A donor may be a stranger, so hivemind's download loop is replaced (:class:`StateSharing`) where it
+trusted the donor:
+
+* each donor's state is checked in full before it is accepted (:func:`state_problem`): metadata
+  types and ranges, the number, dtype, shape and finiteness of every tensor, the sha256 the donor
+  announced, and that it is the state asked for. A bad state is logged with the donor's peer ID and
+  the next donor is tried in the same attempt;
+* a donor that may send more bytes than the state can hold is cut off;
+* the caller learns who served the state and which donors failed and why (:class:`DonorFailure`):
+  a donor that served a malformed state is skipped for the rest of the run, and donors that served
+  a sound state other than the one asked for are evidence that nobody serves the state the swarm's
+  records claim (:meth:`p2p_diloco.swarm.progress.SwarmProgress.set_aside`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
+import random
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import ValueWithExpiration
 
-from p2p_diloco.sync.outer_sync import OuterSync
+from p2p_diloco import faults
 from p2p_diloco.hashing import tensors_sha256
+from p2p_diloco.remote_input import Count, OuterStep, Sha256Hex, StrictModel, parse, tensor_problem, warn_once
 
 logger = logging.getLogger(__name__)
+
+FRAMING_ALLOWANCE_BYTES = 1 << 20  # protobuf and serialization headers on top of the raw fp32 bytes
+
+
+class StateMetadata(StrictModel):
+    outer_step: OuterStep
+    sha256: Sha256Hex
+    inner_steps: Count
 
 
 @dataclass
@@ -27,46 +61,226 @@ class GlobalState:
     sha256: str
     inner_steps: int
     tensors: list[torch.Tensor]  # θ_global then the outer momentum
+    donor: str  # peer ID of the peer that served it
+
+
+TRANSFER_FAILED, MALFORMED, OTHER_STATE = "transfer failed", "malformed", "other state"
+
+
+class MalformedStateError(ValueError):
+    """A donor's stream is not a state in any reading (too many bytes, metadata twice)."""
+
+
+@dataclass(frozen=True)
+class DonorFailure:
+    # TRANSFER_FAILED (the stream broke, ended early or timed out), MALFORMED, or OTHER_STATE (sound, but not
+    # the state asked for)
+    kind: str
+    detail: str
+    outer_step: Optional[int] = None  # for OTHER_STATE: the step of the state the donor holds
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}"
+
+
+@dataclass
+class DownloadOutcome:
+    state: Optional[GlobalState]  # None: no donor served a usable state
+    failed_donors: dict[str, DonorFailure] = field(default_factory=dict)  # peer ID -> why its state was not used
+
+
+@dataclass(frozen=True)
+class StateExpectation:
+    """What a downloaded state must be: its tensors' shapes (θ_global, then as many for the momentum),
+    its outer step and its sha256."""
+
+    param_shapes: tuple[tuple[int, ...], ...]
+    outer_step: int
+    sha256: str
+
+    @property
+    def max_bytes(self) -> int:
+        return 2 * 4 * sum(int(torch.Size(s).numel()) for s in self.param_shapes) + FRAMING_ALLOWANCE_BYTES
+
+
+def state_problem(metadata: Any, tensors: Sequence[Any], expected: StateExpectation) -> Optional[DonorFailure]:
+    """None if a downloaded state may be used; else why not."""
+    meta, problem = parse(StateMetadata, metadata)
+    if meta is None:
+        return DonorFailure(MALFORMED, f"metadata {problem}")
+    shapes = expected.param_shapes
+    if len(tensors) != 2 * len(shapes):
+        return DonorFailure(MALFORMED, f"{len(tensors)} tensors where {2 * len(shapes)} were expected")
+    for index, (tensor, shape) in enumerate(zip(tensors, (*shapes, *shapes))):
+        kind = "parameter" if index < len(shapes) else "momentum"
+        problem = tensor_problem(tensor, shape, f"{kind} tensor {index % len(shapes)}")
+        if problem is not None:
+            return DonorFailure(MALFORMED, problem)
+    actual = tensors_sha256(tensors)
+    if actual != meta.sha256:
+        return DonorFailure(MALFORMED, "the tensors do not match the sha256 their sender announced")
+    if (meta.outer_step, actual) != (expected.outer_step, expected.sha256):
+        return DonorFailure(OTHER_STATE, f"its state is outer step {meta.outer_step} ({actual[:12]}), not the one "
+                                         f"asked for: outer step {expected.outer_step} ({expected.sha256[:12]})",
+                            meta.outer_step)
+    return None
+
+
+class StateSharing(DecentralizedAverager):
+    """Serves this peer's global state to joiners and downloads, checked, the state of others.
+
+    ``state_provider`` (called in the host process when a peer downloads our state) returns
+    ``(metadata, tensors)``; it replaces hivemind's default of serving the averaged tensors.
+    """
+
+    def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], **kwargs):
+        self._state_provider = state_provider
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self):
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        first = True
+        async for message in super().rpc_download_state(request, context):
+            yield message
+            if first:
+                first = False
+                await asyncio.sleep(faults.serve_state_pause_s())  # 0 unless a fault test asks for a pause
+
+    def download_state(
+        self, expected: StateExpectation, exclude: set[str], timeout: float, should_stop: Callable[[], bool]
+    ) -> Optional[DownloadOutcome]:
+        """A checked state from the best donor not in `exclude`; None if the download did not end in time."""
+        future = MPFuture()
+        request = dict(future=future, expected=expected, exclude=set(exclude))
+        self._outer_pipe.send(("_load_state_from_peers", [], request))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not should_stop():
+            try:
+                donor, metadata, tensors, failures = future.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                continue
+            if donor is None:
+                return DownloadOutcome(None, failures)
+            state = GlobalState(metadata["outer_step"], metadata["sha256"], metadata["inner_steps"], list(tensors),
+                                donor)
+            return DownloadOutcome(state, failures)
+        future.cancel()
+        return None
+
+    async def _load_state_from_peers(self, future: MPFuture, *, expected: StateExpectation, exclude: set[str]):
+        """hivemind's download loop (averager process), with each donor's state checked before it is
+        accepted, a bound on its size, and the donors that failed reported back."""
+        failures: dict[str, DonorFailure] = {}
+        try:
+            chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+            for donor in self._donors_by_priority(exclude):
+                try:
+                    metadata, tensors = await self._download_from(donor, chunk_timeout, expected)
+                except MalformedStateError as e:
+                    failures[donor.to_base58()] = DonorFailure(MALFORMED, str(e))
+                    warn_once(donor.to_base58(), "a downloaded state", str(e))
+                    continue
+                except Exception as e:  # a broken stream, a timeout, or bytes that do not decode
+                    failures[donor.to_base58()] = DonorFailure(TRANSFER_FAILED, repr(e))
+                    logger.info("state download from %s failed: %r; trying the next donor", donor, e)
+                    continue
+                problem = state_problem(metadata, tensors, expected)
+                if problem is not None:
+                    failures[donor.to_base58()] = problem
+                    if problem.kind == MALFORMED:
+                        warn_once(donor.to_base58(), "a downloaded state", problem.detail)
+                    continue
+                future.set_result((donor.to_base58(), metadata, tensors, failures))
+                return
+        finally:
+            if not future.done():
+                future.set_result((None, None, None, failures))
+
+    def _donors_by_priority(self, exclude: set[str]) -> list[PeerID]:
+        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        found = self.dht.get(key, latest=True)
+        declared = found.value if found is not None and isinstance(found.value, dict) else {}
+        priorities = {}
+        for peer_bytes, info in declared.items():
+            if not (isinstance(peer_bytes, bytes) and isinstance(info, ValueWithExpiration)
+                    and isinstance(info.value, (int, float)) and not isinstance(info.value, bool)):
+                continue
+            peer = PeerID(peer_bytes)
+            if peer != self.peer_id and peer.to_base58() not in exclude:
+                priorities[peer] = (float(info.value), random.random())  # random: a tie breaker
+        return sorted(priorities, key=priorities.get, reverse=True)
+
+    async def _download_from(self, donor: PeerID, chunk_timeout: float, expected: StateExpectation):
+        """The donor's (metadata, tensors). A stream that ends early raises: hivemind reads a cut
+        connection as a normal end, so a donor that died mid-transfer looks like one that sent less."""
+        stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, tensors, parts, received = None, [], [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(stream.__anext__(), timeout=chunk_timeout)
+            except StopAsyncIteration:
+                break
+            received += len(message.tensor_part.buffer) + len(message.metadata)
+            if received > expected.max_bytes:
+                raise MalformedStateError(f"the donor sent more than the {expected.max_bytes} bytes a state can hold")
+            if message.metadata:
+                if metadata is not None:
+                    raise MalformedStateError("the donor sent its metadata twice")
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        if metadata is None:
+            raise ValueError("the donor sent no state")
+        if len(tensors) < 2 * len(expected.param_shapes):
+            raise ValueError(f"the stream ended after {len(tensors)} of {2 * len(expected.param_shapes)} tensors")
+        return metadata, tensors
 
 
 def download_global_state(
-    sync: OuterSync,
-    num_params: int,
-    min_step: int,
-    want_sha256: Optional[str],
+    sharing: StateSharing,
+    expected: StateExpectation,
+    distrusted_donors: set[str],
     timeout: float,
     should_stop: Callable[[], bool] = lambda: False,
     attempts: int = 3,
-) -> Optional[GlobalState]:
-    """Download the state of a peer at outer step >= min_step; at exactly min_step, only want_sha256's."""
+) -> tuple[Optional[GlobalState], dict[str, DonorFailure]]:
+    """Download a checked state within `timeout`, trying every donor up to `attempts` times.
+
+    Returns the state (or None) and every donor that failed with why. Donors that served a
+    malformed state are added to `distrusted_donors` and not asked again.
+    """
     deadline = time.monotonic() + timeout
+    failed: dict[str, DonorFailure] = {}
     for attempt in range(attempts):
         remaining = deadline - time.monotonic()
         if remaining <= 0 or should_stop():
             break
-        downloaded = sync.download_state(timeout=remaining, should_stop=should_stop)
-        if downloaded is None:
-            logger.info("state download attempt %d: no peer served its state", attempt + 1)
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-            continue
-        metadata, tensors = downloaded
-        problem = _check(metadata, tensors, num_params, min_step, want_sha256)
-        if problem is None:
-            return GlobalState(metadata["outer_step"], metadata["sha256"], metadata["inner_steps"], list(tensors))
-        logger.warning("state download attempt %d rejected: %s", attempt + 1, problem)
-    return None
+        outcome = sharing.download_state(expected, distrusted_donors, remaining, should_stop)
+        if outcome is None:
+            break
+        failed.update(outcome.failed_donors)
+        distrusted_donors.update(donor for donor, why in outcome.failed_donors.items() if why.kind == MALFORMED)
+        if outcome.state is not None:
+            return outcome.state, failed
+        logger.info("state download attempt %d: no peer served a usable state", attempt + 1)
+        if outcome.failed_donors and all(f.kind != TRANSFER_FAILED for f in outcome.failed_donors.values()):
+            break  # every donor answered, none with this state: asking them again changes nothing
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    return None, failed
 
 
-def _check(metadata, tensors, num_params: int, min_step: int, want_sha256: Optional[str]) -> Optional[str]:
-    if not isinstance(metadata, dict) or not {"outer_step", "sha256", "inner_steps"} <= set(metadata):
-        return f"malformed metadata {metadata!r}"
-    if len(tensors) != 2 * num_params:
-        return f"{len(tensors)} tensors where {2 * num_params} were expected"
-    if metadata["outer_step"] < min_step:
-        return f"the state is at outer step {metadata['outer_step']}, older than {min_step}"
-    actual = tensors_sha256(tensors[:num_params])
-    if actual != metadata["sha256"]:
-        return "the parameters do not match the sha256 their sender announced"
-    if want_sha256 is not None and metadata["outer_step"] == min_step and actual != want_sha256:
-        return f"a state other than the agreed one ({want_sha256[:12]})"
-    return None
+def nobody_serves(failed_donors: dict[str, DonorFailure], outer_step: int) -> bool:
+    """Whether the donors' answers show that nobody serves the state asked for at `outer_step`: some
+    served a sound state, none of them a later one (a later state means the swarm moved on meanwhile)."""
+    answers = [f.outer_step for f in failed_donors.values() if f.kind == OTHER_STATE]
+    return bool(answers) and max(answers) <= outer_step

@@ -10,9 +10,10 @@ Each round:
    (:class:`~p2p_diloco.sync.outer_sync.OuterSync`), or Δ itself when no other peer is at this step;
 5. outer Nesterov step on θ_global, θ_local ← θ_global, metrics, checkpoint.
 
-A failed round applies nothing: θ_global stays, training goes on, and the next round's plan brings
-the peer back in step with the swarm. Data flows one way: train produces Δ, sync turns it into the
-group's mean, train applies it.
+A failed round applies nothing: θ_global stays, training goes on (so the next Δ holds every inner
+step since the last applied outer step, and is weighted by all of their samples), and the next
+round's plan brings the peer back in step with the swarm. Data flows one way: train produces Δ,
+sync turns it into the group's mean, train applies it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
 import torch
 from hivemind import DHT
@@ -30,7 +32,7 @@ from p2p_diloco.config import Config
 from p2p_diloco.metrics import MetricsWriter
 from p2p_diloco.swarm.progress import LEFT, LOADING, READY, TRAINING, RoundPlan, SwarmProgress, plan_round
 from p2p_diloco.sync.outer_sync import GroupMean, OuterSync, RoundFailed
-from p2p_diloco.sync.state_transfer import download_global_state
+from p2p_diloco.sync.state_transfer import StateExpectation, download_global_state, nobody_serves
 from p2p_diloco.train.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.train.inner import InnerTrainer
 from p2p_diloco.train.model import trainable_parameters
@@ -41,23 +43,52 @@ logger = logging.getLogger(__name__)
 ROUND_CHECK_PERIOD_S = 1.0  # how often the inner loop looks whether the swarm is ready to average
 
 
+@dataclass
+class Contribution:
+    """The inner steps in θ_local since θ_local was last set from θ_global: what Δ holds."""
+
+    samples: int = 0
+    loss_sum: float = 0.0
+    steps: int = 0
+
+    def add(self, loss: float, samples: int) -> None:
+        self.samples += samples
+        self.loss_sum += loss
+        self.steps += 1
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / max(self.steps, 1)
+
+
 class DiLoCoPeer:
-    """One training peer: a model, its inner trainer, θ_global, and its link to the swarm."""
+    """One training peer: a model, its inner trainer, θ_global, and its link to the swarm.
+
+    `batches_from(position)` yields this peer's training batches from its `position`-th on; the
+    peer counts the batches it takes and keeps the count in its checkpoint, so a restarted peer goes
+    on with the data it had not seen. `record_subkey` is the owner marker its DHT records are signed
+    under, and `fingerprint` the run settings it trains with (:func:`p2p_diloco.config.run_fingerprint`).
+    """
 
     def __init__(
         self,
         cfg: Config,
         model: torch.nn.Module,
-        batches: Iterator[torch.Tensor],
+        batches_from: Callable[[int], Iterator[torch.Tensor]],
         dht: DHT,
+        record_subkey: bytes,
+        fingerprint: str,
         metrics: Optional[MetricsWriter] = None,
         stop_event: Optional[threading.Event] = None,
     ):
         self.cfg = cfg
         self.model = model
         self.local_params = trainable_parameters(model)
-        self.inner = InnerTrainer(model, cfg.inner, batches)
+        self._batches_from = batches_from
+        self.data_position = 0  # batches taken from this peer's data stream
+        self.inner = InnerTrainer(model, cfg.inner, self._counted_batches(0))
         self.global_model = GlobalModel(self.local_params, cfg.outer)
+        self.contribution = Contribution()
         self.peer_id = dht.peer_id.to_base58()
         self.metrics = metrics or MetricsWriter(None, self.peer_id)
         self.stop_event = stop_event or threading.Event()
@@ -65,10 +96,21 @@ class DiLoCoPeer:
         self.checkpoint_dir = cfg.swarm.checkpoint_dir or None
         self.sha256 = self.global_model.sha256()
         self.last_group_size = 1
-        self.progress = SwarmProgress(dht, cfg.run.name, cfg.swarm.progress_ttl)
-        self.sync = OuterSync(
-            dht, cfg.run.name, [p.shape for p in self.local_params], cfg.swarm, state_provider=self._serve_state
-        )
+        self.distrusted_donors: set[str] = set()  # peers that served a malformed state
+        self.progress = SwarmProgress(dht, cfg.run.name, cfg.swarm.progress_ttl, record_subkey, fingerprint)
+        self.sync = OuterSync(dht, cfg.run.name, fingerprint, record_subkey, [p.shape for p in self.local_params],
+                              cfg.swarm, state_provider=self._serve_state)
+
+    def _counted_batches(self, position: int) -> Iterator[torch.Tensor]:
+        """The data stream from `position` on, counting in `data_position` the batches taken."""
+        self.data_position = position
+
+        def counted() -> Iterator[torch.Tensor]:
+            for batch in self._batches_from(position):
+                self.data_position += 1
+                yield batch
+
+        return counted()
 
     # ----- state shared with joiners -------------------------------------------------------------
     def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
@@ -113,29 +155,29 @@ class DiLoCoPeer:
         restored = self._restore_checkpoint()
         self._after_state_change()
         self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
-        self.metrics.write(
-            "join", outer_step=self.global_model.outer_step, global_sha256=self.sha256, from_checkpoint=restored
-        )
+        self.metrics.write("join", outer_step=self.global_model.outer_step, global_sha256=self.sha256,
+                           from_checkpoint=restored, data_position=self.data_position)
         logger.info("joined at outer step %d (%s)", self.global_model.outer_step, "checkpoint" if restored else "fresh")
 
     def _round(self) -> None:
         step = self.global_model.outer_step
-        self.progress.publish(step, self.sha256, TRAINING)
-        losses, samples = [], 0
+        self.progress.publish(step, self.sha256, TRAINING, self.contribution.samples)
+        steps_this_round = 0
         next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
         for _ in range(self.cfg.inner.steps_per_outer):
             if self._stopping():
                 return
-            if losses and time.monotonic() >= next_check:
+            if steps_this_round and time.monotonic() >= next_check:
                 next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
                 if self._round_is_closing(step):
-                    logger.info("outer step %d: others are ready; contributing %d inner steps", step + 1, len(losses))
+                    logger.info("outer step %d: others are ready; contributing %d inner steps", step + 1,
+                                steps_this_round)
                     break
             loss, n = self.inner.step()
             faults.after_inner_step()
-            losses.append(loss)
-            samples += n
-        mean_loss = sum(losses) / len(losses)
+            self.contribution.add(loss, n)
+            steps_this_round += 1
+        samples = self.contribution.samples
         self.progress.publish(step, self.sha256, READY, samples)
         records = self.progress.wait_for_groupmates(step, self.cfg.swarm.round_wait_timeout, self.stop_event)
         if self._stopping():
@@ -154,7 +196,7 @@ class DiLoCoPeer:
                 return
         else:
             result = GroupMean(pseudo_gradient, 1, samples, {self.peer_id: "alone"})
-        self._apply(result, samples, mean_loss)
+        self._apply(result)
 
     def _round_is_closing(self, step: int) -> bool:
         """The fastest peer at this step decides when the round ends: once one is ready, all stop.
@@ -167,7 +209,8 @@ class DiLoCoPeer:
             for r in self.progress.fetch().values()
         )
 
-    def _apply(self, result: GroupMean, samples: int, mean_loss: float) -> None:
+    def _apply(self, result: GroupMean) -> None:
+        contribution, self.contribution = self.contribution, Contribution()
         with self._state_lock:
             self.global_model.apply(result.mean)
             self.global_model.copy_to(self.local_params)
@@ -181,8 +224,8 @@ class DiLoCoPeer:
             outer_step=step,
             group_size=result.group_size,
             group_samples=result.group_samples,
-            samples=samples,
-            loss=mean_loss,
+            samples=contribution.samples,
+            loss=contribution.mean_loss,
             global_sha256=self.sha256,
             bytes_sent=traffic.sent,
             bytes_received=traffic.received,
@@ -191,7 +234,7 @@ class DiLoCoPeer:
         )
         logger.info(
             "outer step %d: group of %d, %d samples, loss %.4f, global %s",
-            step, result.group_size, result.group_samples, mean_loss, self.sha256[:12],
+            step, result.group_size, result.group_samples, contribution.mean_loss, self.sha256[:12],
         )
         self._save_checkpoint()
 
@@ -200,29 +243,35 @@ class DiLoCoPeer:
         logger.info("loading global state from peers: %s", plan.reason)
         self.progress.publish(plan.target_step, self.sha256, LOADING)  # peers at that step wait for this one
         self.sync.averager.allow_state_sharing = False  # nobody should copy a state we are replacing
+        expected = StateExpectation(tuple(tuple(p.shape) for p in self.local_params), plan.target_step,
+                                    plan.target_sha256)
         try:
-            state = download_global_state(
-                self.sync,
-                num_params=len(self.local_params),
-                min_step=plan.target_step,
-                want_sha256=plan.target_sha256,
-                timeout=self.cfg.swarm.state_download_timeout,
+            state, failed_donors = download_global_state(
+                self.sync.averager, expected, self.distrusted_donors, self.cfg.swarm.state_download_timeout,
                 should_stop=self._stopping,
             )
         finally:
             self.sync.averager.allow_state_sharing = True
+        failures = {peer: str(why) for peer, why in failed_donors.items()}
         if state is None:
+            if nobody_serves(failed_donors, plan.target_step):
+                self.progress.set_aside(plan.claims or {})
             logger.warning("could not download the global state; training on from outer step %d",
                            self.global_model.outer_step)
+            self.metrics.write("state_load_failed", outer_step=plan.target_step, reason=plan.reason,
+                               failed_donors=failures)
             return False
         with self._state_lock:
             self.global_model.load_state_tensors(state.tensors, state.outer_step)
             self.global_model.copy_to(self.local_params)
             self.inner.fast_forward_schedule(state.inner_steps)
+            self.contribution = Contribution()
             self._after_state_change()
         self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
-        self.metrics.write("state_loaded", outer_step=state.outer_step, global_sha256=self.sha256, reason=plan.reason)
-        logger.info("loaded global state at outer step %d (%s)", state.outer_step, self.sha256[:12])
+        self.metrics.write("state_loaded", outer_step=state.outer_step, global_sha256=self.sha256, reason=plan.reason,
+                           donor=state.donor, failed_donors=failures)
+        logger.info("loaded global state at outer step %d (%s) from %s", state.outer_step, self.sha256[:12],
+                    state.donor)
         self._save_checkpoint()
         return True
 
@@ -235,6 +284,7 @@ class DiLoCoPeer:
                 outer_step=self.global_model.outer_step,
                 sha256=self.sha256,
                 inner_steps=self.inner.steps_done,
+                data_position=self.data_position,
                 global_state=[t.clone() for t in self.global_model.state_tensors()],
                 inner_optimizer=self.inner.optimizer.state_dict(),
             )
@@ -251,6 +301,7 @@ class DiLoCoPeer:
             self.global_model.copy_to(self.local_params)
             self.inner.optimizer.load_state_dict(state["inner_optimizer"])
             self.inner.fast_forward_schedule(state["inner_steps"])
+            self.inner.batches = self._counted_batches(state.get("data_position", 0))
         return True
 
     def _leave(self) -> None:

@@ -8,7 +8,9 @@ outer step and its hash are the same on every peer. One outer step t does
     θ_global ← NesterovSGD(θ_global, Δ̄_t; outer lr, μ)    (line 12)
     θ_local  ← θ_global                                  (line 3 of the next round)
 
-The outer optimizer is torch's SGD with Nesterov momentum, exactly the update the paper uses.
+The outer optimizer is torch's SGD with Nesterov momentum, exactly the update the paper uses. The
+global state is θ_global and that momentum: peers that hold the same θ_global but another momentum
+would part ways at the next step, so the state's sha256 covers both.
 """
 
 from __future__ import annotations
@@ -78,5 +80,5 @@ class GlobalModel:
         self.outer_step = outer_step
 
     def sha256(self) -> str:
-        """sha256 of θ_global's fp32 bytes, parameters in their fixed order."""
-        return tensors_sha256(self.params)
+        """sha256 of the global state's fp32 bytes: θ_global then the outer momentum, in parameter order."""
+        return tensors_sha256(self.state_tensors())

@@ -1,0 +1,247 @@
+"""A hostile process for the tests: it joins a run's DHT and sends what no honest peer would.
+
+    python -m tests.hostile records|donor|groupmate --config RUN.toml --initial-peers MADDR
+
+* ``records``: writes malformed, unsigned, forged and lying records under the run's DHT keys from a
+  node that stores anything, and keeps them fresh;
+* ``donor``: declares itself the best state donor of the run and serves the next malformed state
+  of :data:`STATE_VARIANTS` to each peer that downloads from it;
+* ``groupmate``: joins the run's averaging groups with the malformed metadata or tensors of
+  :data:`GROUPMATE_VARIANTS`, one identity per kind (an honest peer bans an identity after one offence).
+
+It prints one line per action (``wrote``, ``served``, ``identity``) and runs until SIGTERM. It uses
+hivemind directly, never the project's validators: it is what a stranger on the DHT can do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+
+import torch
+from hivemind import DHT
+from hivemind.averaging import DecentralizedAverager
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2p_diloco.config import load_config, run_fingerprint
+from p2p_diloco.hashing import tensors_sha256
+from p2p_diloco.process_tree import children_exit_with_this_process
+from p2p_diloco.swarm.identity import owner_peer_id
+from p2p_diloco.swarm.records import progress_key, rounds_key
+from p2p_diloco.sync.outer_sync import STEP_KEY_BITS, averager_prefix
+from p2p_diloco.train.data import TextData, tokenizer_sha256
+from p2p_diloco.train.model import build_model, trainable_parameters
+
+LIE_STEP = 10**6  # a well-formed progress claim of a state that nobody has
+
+
+class StoresAnything(RSASignatureValidator):
+    """Signs what it writes under its own key, and keeps whatever anybody sends it."""
+
+    def validate(self, record) -> bool:
+        return True
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_parameters(config_path: str):
+    """The fingerprint and the initial parameters of the run, computed as a peer does."""
+    cfg = load_config(config_path)
+    data = TextData(cfg.data)
+    model = build_model(cfg.model, data.vocab_size, cfg.run.seed)
+    params = [p.detach().clone() for p in trainable_parameters(model)]
+    return cfg, run_fingerprint(cfg, tokenizer_sha256(data.tokenizer)), params
+
+
+def start_dht(initial_peers) -> tuple[DHT, StoresAnything]:
+    """A DHT node that stores anything; it strips the run's signatures from what it reads, like any node."""
+    signer = StoresAnything(RSAPrivateKey())
+    dht = DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[signer],
+              start=True)
+    return dht, signer
+
+
+def honest_state(dht: DHT, run_name: str) -> tuple[int, str]:
+    """The highest outer step an honest-looking progress record claims, and that record's state sha256."""
+    found = dht.get(progress_key(run_name), latest=True)
+    best = (0, "ab" * 32)
+    for item in (found.value.values() if found is not None and isinstance(found.value, dict) else ()):
+        value = getattr(item, "value", None)
+        if isinstance(value, dict) and isinstance(value.get("outer_step"), int) and value["outer_step"] < LIE_STEP:
+            best = max(best, (value["outer_step"], str(value.get("sha256"))))
+    return best
+
+
+# ----- records ------------------------------------------------------------------------------------
+def write_records(args, stop: threading.Event) -> None:
+    cfg, fingerprint, _ = run_parameters(args.config)
+    dht, signer = start_dht(args.initial_peers)
+    mine = signer.local_public_key
+    say(f"records signed as {owner_peer_id(mine)}")
+    victim_key = RSASignatureValidator(RSAPrivateKey()).local_public_key  # a marker this node cannot sign for
+    good = dict(outer_step=1, sha256="ab" * 32, phase="training", samples=0, time=time.time(), fingerprint=fingerprint)
+    progress = {
+        b"no owner": good,  # unsigned: nobody can tell whose it is
+        mine + b"#string-step": {**good, "outer_step": "9"},
+        mine + b"#negative-step": {**good, "outer_step": -1},
+        mine + b"#huge-step": {**good, "outer_step": 2**63 - 1},
+        mine + b"#float-samples": {**good, "samples": 1.5},
+        mine + b"#bad-sha": {**good, "sha256": "not a sha"},
+        mine + b"#bad-phase": {**good, "phase": "bogus"},
+        mine + b"#extra-field": {**good, "extra": 1},
+        mine + b"#missing-field": {k: v for k, v in good.items() if k != "phase"},
+        mine + b"#not-a-dict": "garbage",
+        victim_key: {**good, "phase": "left"},  # another peer's key, not signed by it
+        mine + b"#other-settings": {**good, "fingerprint": "cd" * 32},  # well-formed, another run's settings
+        mine + b"#lie": {**good, "outer_step": LIE_STEP},  # well-formed and signed: a state nobody serves
+    }
+    report = dict(outer_step=1, token="00" * 8, complete=False, mean_sha256=None)
+    rounds = {
+        mine + b"#bad-token": dict(reports=[{**report, "token": "x"}]),
+        mine + b"#three-reports": dict(reports=[report] * 3),
+        victim_key: dict(reports=[report]),  # a forged failure report in another peer's name
+        b"no owner": dict(reports=[report]),
+    }
+    try:
+        while not stop.is_set():
+            for key, values in ((progress_key(cfg.run.name), progress), (rounds_key(cfg.run.name), rounds)):
+                for subkey, value in values.items():
+                    if key == progress_key(cfg.run.name) and isinstance(value, dict) and "time" in value:
+                        value = {**value, "time": time.time()}
+                    dht.store(key, value, get_dht_time() + 30, subkey=subkey)
+            say("wrote records")
+            stop.wait(3)
+    finally:
+        dht.shutdown()
+
+
+# ----- donor --------------------------------------------------------------------------------------
+def state_variants(params: list[torch.Tensor]):
+    """(name, metadata, tensors) of each malformed state, in the order they are served."""
+    state = [*params, *[torch.zeros_like(p) for p in params]]
+    sha = tensors_sha256(state)
+    meta = dict(outer_step=1, sha256=sha, inner_steps=10)
+    wrong_shape = [*state]
+    wrong_shape[len(params)] = torch.zeros(3, 3)
+    nan = [t.clone() for t in state]
+    nan[0][0] = float("nan")
+    return [
+        ("string outer step", {**meta, "outer_step": "9"}, state),
+        ("inner steps 10**15", {**meta, "inner_steps": 10**15}, state),
+        ("momentum of another shape", {**meta, "sha256": tensors_sha256(wrong_shape)}, wrong_shape),
+        ("NaN parameters", {**meta, "sha256": tensors_sha256(nan)}, nan),
+        ("another sha256", {**meta, "sha256": "ab" * 32}, state),
+        ("oversized", meta, [*state, torch.zeros(2_000_000)]),
+        ("a sound state nobody vouches for", {**meta, "outer_step": LIE_STEP}, state),
+    ]
+
+
+STATE_VARIANTS = [name for name, _, _ in state_variants([torch.zeros(1)])]
+
+
+class SwarmAverager(DecentralizedAverager):
+    """Named like the peers' averager (hivemind names its network handlers after the class); serves the
+    next of `variants` as its state to each peer that downloads it."""
+
+    def __init__(self, *args, variants=(), **kwargs):
+        self.variants, self.served = list(variants), 0
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self):
+        name, metadata, tensors = self.variants[self.served % len(self.variants)]
+        self.served += 1
+        say(f"served {name}")
+        return metadata, tensors, None
+
+
+def serve_states(args, stop: threading.Event) -> None:
+    cfg, fingerprint, params = run_parameters(args.config)
+    dht, _ = start_dht(args.initial_peers)
+    donor = SwarmAverager([torch.zeros(1)], dht, prefix=averager_prefix(cfg.run.name, fingerprint), start=True,
+                         allow_state_sharing=True, declare_state_period=2.0, variants=state_variants(params))
+    donor.state_sharing_priority = 1e12  # above any honest peer: it is asked first
+    say(f"donor ready as {dht.peer_id.to_base58()}")
+    try:
+        stop.wait()
+    finally:
+        donor.shutdown()
+        dht.shutdown()
+
+
+# ----- groupmate ----------------------------------------------------------------------------------
+GATHER = dict(outer_step=0, global_sha256="ab" * 32, samples=16, token="00" * 8)  # step and state: the swarm's
+GROUPMATE_VARIANTS = {  # name -> (the metadata it gathers, the value of every tensor element it sends)
+    "string outer step": ({**GATHER, "outer_step": "9"}, 0.0),
+    "negative samples": ({**GATHER, "samples": -5}, 0.0),
+    "huge samples": ({**GATHER, "samples": 2**62}, 0.0),
+    "bad token": ({**GATHER, "token": "zz"}, 0.0),
+    "extra field": ({**GATHER, "extra": True}, 0.0),
+    "not a dict": ("garbage", 0.0),
+    "NaN parts": (GATHER, float("nan")),  # well-formed metadata, then poisoned tensors
+}
+
+
+def as_the_swarm(gather, step: int, sha256: str):
+    """The metadata with the swarm's outer step and state where it holds GATHER's placeholders."""
+    if not isinstance(gather, dict):
+        return gather
+    swarm = dict(outer_step=step, global_sha256=sha256)
+    return {**gather, **{key: value for key, value in swarm.items() if gather.get(key) == GATHER[key]}}
+
+
+def join_groups(args, stop: threading.Event) -> None:
+    cfg, fingerprint, params = run_parameters(args.config)
+    for name, (gather, fill) in GROUPMATE_VARIANTS.items():
+        if stop.is_set():
+            break
+        dht, _ = start_dht(args.initial_peers)
+        averager = SwarmAverager([torch.full_like(p, fill) for p in params], dht, start=True,
+                                 prefix=averager_prefix(cfg.run.name, fingerprint), min_group_size=2,
+                                 min_matchmaking_time=cfg.swarm.matchmaking_time,
+                                 request_timeout=cfg.swarm.request_timeout)
+        say(f"identity {dht.peer_id.to_base58()} sends {name}")
+        try:
+            deadline = time.monotonic() + args.seconds_per_identity
+            while time.monotonic() < deadline and not stop.is_set():
+                step, sha256 = honest_state(dht, cfg.run.name)
+                averager.set_group_bits(format(step % 2**STEP_KEY_BITS, f"0{STEP_KEY_BITS}b"))
+                control = averager.step(gather=as_the_swarm(gather, step, sha256), weight=1.0, wait=False,
+                                        timeout=cfg.swarm.matchmaking_time * 3, allow_retries=False)
+                try:
+                    control.result(timeout=cfg.swarm.matchmaking_time * 3 + cfg.swarm.allreduce_timeout)
+                except Exception as e:  # rejected, timed out, or the group broke up: try again
+                    control.cancel()
+                    say(f"round failed: {type(e).__name__}")
+        finally:
+            averager.shutdown()
+            dht.shutdown()
+
+
+MODES = {"records": write_records, "donor": serve_states, "groupmate": join_groups}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=sorted(MODES))
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--initial-peers", nargs="+", required=True)
+    parser.add_argument("--seconds-per-identity", type=float, default=15.0)
+    args = parser.parse_args()
+    children_exit_with_this_process()  # its DHT, averager and p2pd go when it goes, however it goes
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    MODES[args.mode](args, stop)
+    say("stopped")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Strangers on the run's DHT: malformed, forged and lying records, malformed states, malformed group metadata.
+
+A hostile process (tests/hostile.py) joins a real swarm of `p2p-diloco peer` processes on 127.0.0.1
+and does what no honest peer would. The honest swarm must keep stepping with one global state, no
+honest process may exit, and the offence must be logged with the offender's peer ID.
+"""
+
+import re
+import signal
+
+import pytest
+
+from p2p_diloco.metrics import read_metrics
+from tests.hostile import GROUPMATE_VARIANTS, STATE_VARIANTS
+from tests.swarm_helpers import (
+    assert_consistent, last_step, outer_steps, peer_id_of, start_peer, swarm, wait_for_steps, wait_until,
+)
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(480)]
+
+
+def start_hostile(processes, mode, config, maddr, *extra):
+    return processes.start(f"hostile-{mode}", mode, "--config", str(config), "--initial-peers", maddr, *extra,
+                           module="tests.hostile")
+
+
+def printed(processes, name, pattern):
+    """Every match of `pattern` (one group) in what process `name` printed."""
+    return re.findall(pattern, processes.log(name))
+
+
+def honest_logs(processes, n):
+    return "".join(processes.log(f"peer{i}") for i in range(n))
+
+
+def keeps_stepping(processes, metrics, steps=3):
+    at = max(last_step(m) for m in metrics)
+    wait_for_steps(metrics, at + steps)
+    assert_consistent(metrics)
+    honest = [p for p in processes.procs if p.name.startswith("peer")]
+    assert all(p.poll() is None for p in honest), [(p.name, p.returncode) for p in honest]
+
+
+def test_malformed_forged_and_lying_records_are_ignored(processes, tmp_path):
+    maddr, config, metrics = swarm(processes, tmp_path, 3)
+    wait_for_steps(metrics, 1)
+    start_hostile(processes, "records", config, maddr)
+    wait_until(lambda: printed(processes, "hostile-records", r"(wrote records)"), 120, "the hostile records")
+    (author,) = printed(processes, "hostile-records", r"records signed as (\w+)")
+    keeps_stepping(processes, metrics)
+    logs = honest_logs(processes, 3)
+    # refused by the DHT validators of the honest nodes, each logged once with its author
+    assert f"ignoring a malformed test_progress record from peer {author}" in logs
+    assert "that it did not sign" in logs  # the record under another peer's key
+    # well-formed and signed, but not this run's settings, or a claim that no donor could serve
+    assert f"ignoring the progress of a peer with other run settings from peer {author}" in logs
+    assert f"setting aside the record of peer {author}: it claims outer step 1000000" in logs
+
+
+def test_malformed_states_from_a_donor_are_refused(processes, tmp_path):
+    maddr, config, metrics = swarm(processes, tmp_path, 2)
+    wait_for_steps(metrics, 2)
+    hostile = start_hostile(processes, "donor", config, maddr)
+    wait_until(lambda: printed(processes, "hostile-donor", r"donor ready as (\w+)"), 120, "the hostile donor")
+    (donor,) = printed(processes, "hostile-donor", r"donor ready as (\w+)")
+    honest = {peer_id_of(m) for m in metrics}
+    reasons, joiners = [], []
+    # each joiner is served the next malformed state first (the donor claims the highest priority)
+    for index in range(len(STATE_VARIANTS) + 3):
+        if len(printed(processes, "hostile-donor", r"served (.+)")) >= len(STATE_VARIANTS):
+            break
+        joiner = start_peer(processes, f"joiner{index}", config, maddr)
+        loaded = lambda: [r for r in read_metrics(joiner) if r["event"] == "state_loaded"] if joiner.exists() else []  # noqa: E731
+        wait_until(loaded, 120, f"joiner {index} to load the state")
+        record = loaded()[0]
+        assert record["donor"] in honest, record
+        if donor in record["failed_donors"]:
+            reasons.append(record["failed_donors"][donor])
+        wait_until(lambda: len(outer_steps(joiner)) >= 1, 120, f"an outer step of joiner {index}")
+        joiners.append(joiner)
+        process = next(p for p in processes.procs if p.name == f"joiner{index}")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(20) == 0
+    assert printed(processes, "hostile-donor", r"served (.+)")[: len(STATE_VARIANTS)] == STATE_VARIANTS
+    assert len(reasons) >= len(STATE_VARIANTS), reasons
+    assert all(r.startswith("malformed") for r in reasons[:-1]) and reasons[-1].startswith("other state"), reasons
+    assert hostile.poll() is None
+    keeps_stepping(processes, metrics, steps=2)
+    assert_consistent([*metrics, *joiners])
+
+
+def test_malformed_group_metadata_or_parts_ban_the_sender(processes, tmp_path):
+    maddr, config, metrics = swarm(processes, tmp_path, 3)
+    wait_for_steps(metrics, 1)
+    hostile = start_hostile(processes, "groupmate", config, maddr, "--seconds-per-identity", "10")
+    wait_until(lambda: hostile.poll() is not None, 300, "the hostile groupmate to try every kind of input")
+    identities = dict(printed(processes, "hostile-groupmate", r"identity (\w+) sends (.+)"))
+    assert sorted(identities.values()) == sorted(GROUPMATE_VARIANTS)
+    keeps_stepping(processes, metrics)
+    logs = honest_logs(processes, 3)
+    banned = {kind for peer, kind in identities.items()
+              if re.search(f"ignoring (malformed group metadata|a malformed all-reduce part|a malformed averaged "
+                           f"part) from peer {peer}", logs)}
+    assert len(banned) >= len(GROUPMATE_VARIANTS) // 2, f"the honest peers met only {banned}"
+    for path in metrics:  # no round ever counted the hostile peer
+        assert all(r["group_size"] <= 3 for r in outer_steps(path))
