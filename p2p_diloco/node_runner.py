@@ -119,6 +119,27 @@ def _pick_device(name: str):
     return device
 
 
+def _prepare_training(cfg, peer_id: str, device):
+    """The model, the fingerprint of the run's settings, and this peer's data stream from a batch position.
+
+    Raises DataError or ConfigError (one line for the user) before the peer joins the swarm: the data
+    stream from batch 0 is created here, so a corpus too small for one batch is found at once.
+    """
+    from p2p_diloco.config import run_fingerprint
+    from p2p_diloco.train.data import TextData, order_seed, tokenizer_sha256
+    from p2p_diloco.train.model import build_model
+
+    data = TextData(cfg.data)
+    seed = order_seed(cfg.run.seed, peer_id)
+    first_stream = {0: data.peer_batches(cfg.inner.batch_size, seed)}
+
+    def batches_from(position: int):
+        return first_stream.pop(position, None) or data.peer_batches(cfg.inner.batch_size, seed, position)
+
+    model = build_model(cfg.model, data.vocab_size, cfg.run.seed, cfg.data.seq_len).to(device)
+    return model, run_fingerprint(cfg, tokenizer_sha256(data.tokenizer)), batches_from
+
+
 def run_peer(config_path, host, port, announce_ip, identity_path, initial_peers, verbose,
              metrics_file, checkpoint_dir, max_outer_steps, device_name, wait_for_peers: int = 1) -> int:
     setup_logging(verbose)
@@ -135,24 +156,17 @@ def run_peer(config_path, host, port, announce_ip, identity_path, initial_peers,
     except (ConfigError, NodeAddressError, ValueError, RuntimeError) as e:
         return _fail(str(e), EXIT_USAGE)
 
-    from p2p_diloco.config import run_fingerprint
     from p2p_diloco.metrics import MetricsWriter
     from p2p_diloco.swarm.identity import Identity, IdentityError
     from p2p_diloco.swarm.node import start_run_node
-    from p2p_diloco.train.data import DataError, TextData, order_seed, tokenizer_sha256
+    from p2p_diloco.train.data import DataError
     from p2p_diloco.train.diloco import DiLoCoPeer
-    from p2p_diloco.train.model import build_model
 
     try:
         identity = Identity.load_or_create(identity_path)
-        data = TextData(cfg.data)
-        seed = order_seed(cfg.run.seed, identity.peer_id)
-        # created now, so that a corpus too small for one batch is an error before the peer joins
-        first_stream = {0: data.peer_batches(cfg.inner.batch_size, seed)}
-        model = build_model(cfg.model, data.vocab_size, cfg.run.seed, cfg.data.seq_len).to(device)
+        model, fingerprint, batches_from = _prepare_training(cfg, identity.peer_id, device)
     except (IdentityError, DataError, ConfigError) as e:
         return _fail(str(e), EXIT_USAGE)
-    fingerprint = run_fingerprint(cfg, tokenizer_sha256(data.tokenizer))
     children_exit_with_this_process()
     try:
         dht, _ = start_run_node(cfg.run.name, host, port, identity, announce_ip, initial_peers)
@@ -161,14 +175,9 @@ def run_peer(config_path, host, port, announce_ip, identity_path, initial_peers,
     except ConnectionError as e:
         return _fail(str(e), EXIT_UNREACHABLE)
     try:
-        peer_id = dht.peer_id.to_base58()
         print_maddrs(dht, prefix="peer reachable at ")
         logger.info("run %r, settings fingerprint %s", cfg.run.name, fingerprint[:16])
-        metrics = MetricsWriter(metrics_file, peer_id)
-
-        def batches_from(position: int):
-            return first_stream.pop(position, None) or data.peer_batches(cfg.inner.batch_size, seed, position)
-
+        metrics = MetricsWriter(metrics_file, identity.peer_id)
         trainer = DiLoCoPeer(cfg, model, batches_from, dht, identity.record_subkey, fingerprint, metrics)
         # hivemind's averager sets SIGINT to "ignore" in this process when it starts: install ours after it
         trainer.stop_event = install_stop_handlers()

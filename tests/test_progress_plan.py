@@ -60,7 +60,6 @@ GOOD = dict(outer_step=3, sha256="ab" * 32, phase="training", samples=12, time=1
 
 def test_a_signed_record_speaks_for_its_signer_only():
     identity = Identity.load_or_create(None)
-    identity.forget_file()
     record = parse_progress(identity.record_subkey, dict(GOOD), FINGERPRINT)
     assert record.peer_id == identity.peer_id and record.outer_step == 3
 
@@ -71,13 +70,11 @@ def test_a_signed_record_speaks_for_its_signer_only():
 ])
 def test_malformed_progress_records_are_ignored(change):
     identity = Identity.load_or_create(None)
-    identity.forget_file()
     assert parse_progress(identity.record_subkey, {**GOOD, **change}, FINGERPRINT) is None
 
 
 def test_records_without_an_owner_or_of_other_settings_are_ignored():
     identity = Identity.load_or_create(None)
-    identity.forget_file()
     assert parse_progress(b"no owner", dict(GOOD), FINGERPRINT) is None
     assert parse_progress(identity.record_subkey, "garbage", FINGERPRINT) is None
     assert parse_progress(identity.record_subkey, dict(GOOD), "e" * 64) is None

@@ -8,19 +8,19 @@ from a record's subkey a reader derives the peer ID of the only node that could 
 stranger can neither overwrite another peer's record nor publish one in its name.
 
 hivemind writes identity files as a protobuf ``PrivateKey`` holding an RSA key in DER form. Without
-``--identity-path`` a node gets a fresh key, written to a private temporary file for p2pd to read at
-start-up and deleted once the node runs.
+``--identity-path`` a node gets a fresh key, written to a private temporary file only while p2pd
+starts (:meth:`Identity.key_file`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import shutil
 import tempfile
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import multihash
 from cryptography.hazmat.primitives import serialization
@@ -85,21 +85,17 @@ def owner_peer_id(subkey: bytes) -> Optional[str]:
 
 @dataclass
 class Identity:
-    """This node's RSA identity key, the identity file p2pd reads, and what both let it sign."""
+    """This node's RSA identity key: it names the node on the network and signs its DHT records."""
 
     private_key: RSAPrivateKey
-    path: Path  # the identity file for p2pd
-    is_new: bool  # created just now: hivemind need not check whether another node already uses it
-    _temporary_dir: Optional[Path] = field(default=None, repr=False)
+    path: Optional[Path]  # the identity file the user named, or None: a fresh key for this run only
+    is_new: bool  # created just now: hivemind need not ask the swarm whether another node already uses it
 
     @classmethod
     def load_or_create(cls, identity_path: Optional[str]) -> "Identity":
         """The key in `identity_path` (created there if missing), or a fresh one for this run."""
         if identity_path is None:
-            directory = Path(tempfile.mkdtemp(prefix="p2p-diloco-identity-"))
-            path = directory / "identity.key"
-            P2P.generate_identity(str(path))
-            return cls(_load_private_key(path), path, is_new=True, _temporary_dir=directory)
+            return cls(RSAPrivateKey(), None, is_new=True)
         path = Path(identity_path)
         is_new = not path.exists()
         if is_new:
@@ -109,6 +105,20 @@ class Identity:
                 )
             P2P.generate_identity(str(path))
         return cls(_load_private_key(path), path, is_new=is_new)
+
+    @contextmanager
+    def key_file(self) -> Iterator[Path]:
+        """The identity file for p2pd to read at start-up: the user's, or a private temporary one that is
+        deleted afterwards (p2pd has read it by then)."""
+        if self.path is not None:
+            yield self.path
+            return
+        with tempfile.TemporaryDirectory(prefix="p2p-diloco-identity-") as directory:
+            path = Path(directory) / "identity.key"
+            path.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=self.private_key.to_bytes())
+                             .SerializeToString())
+            path.chmod(0o400)
+            yield path
 
     @property
     def peer_id(self) -> str:
@@ -122,10 +132,3 @@ class Identity:
     def record_subkey(self) -> bytes:
         """The DHT subkey under which only this node can write (its records carry its signature)."""
         return self.signature_validator().local_public_key
-
-    def forget_file(self) -> None:
-        """Delete a temporary identity file once p2pd has read it (a file the user named stays)."""
-        if self._temporary_dir is not None:
-            shutil.rmtree(self._temporary_dir, ignore_errors=True)
-            self._temporary_dir = None
-

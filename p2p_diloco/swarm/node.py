@@ -71,29 +71,28 @@ def start_dht(
     startup_timeout: float = 60.0,
 ) -> DHT:
     """Start a DHT node (and its p2pd daemon); raise a one-line error if the swarm is unreachable."""
-    dht = DHT(
-        host_maddrs=listen_maddrs(host, port),
-        announce_maddrs=announce_maddrs(announce_ip, port),
-        initial_peers=parse_initial_peers(initial_peers),
-        identity_path=str(identity.path),
-        # hivemind's check asks the swarm whether another node already uses the key: not for a new one
-        check_if_identity_free=not identity.is_new,
-        record_validators=record_validators,
-        start=True,
-        await_ready=False,
-    )
-    try:
-        dht.wait_until_ready(timeout=startup_timeout)
-    except Exception as e:
-        dht.shutdown()
-        if initial_peers:
-            raise ConnectionError(
-                f"could not join the swarm through {', '.join(initial_peers)}: {e}. Check that the bootstrap "
-                f"node runs and that its address and port are reachable from here."
-            ) from None
-        raise
-    finally:
-        identity.forget_file()  # p2pd has read it by now (or failed)
+    with identity.key_file() as key_file:  # p2pd reads it while the node starts
+        dht = DHT(
+            host_maddrs=listen_maddrs(host, port),
+            announce_maddrs=announce_maddrs(announce_ip, port),
+            initial_peers=parse_initial_peers(initial_peers),
+            identity_path=str(key_file),
+            # hivemind's check asks the swarm whether another node already uses the key: not for a new one
+            check_if_identity_free=not identity.is_new,
+            record_validators=record_validators,
+            start=True,
+            await_ready=False,
+        )
+        try:
+            dht.wait_until_ready(timeout=startup_timeout)
+        except Exception as e:
+            dht.shutdown()
+            if initial_peers:
+                raise ConnectionError(
+                    f"could not join the swarm through {', '.join(initial_peers)}: {e}. Check that the bootstrap "
+                    f"node runs and that its address and port are reachable from here."
+                ) from None
+            raise
     return dht
 
 
