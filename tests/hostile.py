@@ -5,7 +5,7 @@
 * ``records``: writes malformed, unsigned, forged and lying records under the run's DHT keys from a
   node that stores anything, and keeps them fresh;
 * ``donor``: declares itself the best state donor of the run and serves the next malformed state
-  of :data:`STATE_VARIANTS` to each peer that downloads from it;
+  of :data:`STATE_VARIANTS` to each peer that downloads from it (the same one if it asks again);
 * ``groupmate``: joins the run's averaging groups with the malformed metadata or tensors of
   :data:`GROUPMATE_VARIANTS`, one identity per kind (an honest peer bans an identity after one offence).
 
@@ -20,12 +20,17 @@ import signal
 import sys
 import threading
 import time
+from typing import AsyncIterator
 
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import CompressionInfo
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.streaming import split_for_streaming
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import load_config, run_fingerprint
@@ -147,18 +152,27 @@ STATE_VARIANTS = [name for name, _, _ in state_variants([torch.zeros(1)])]
 
 
 class SwarmAverager(DecentralizedAverager):
-    """Named like the peers' averager (hivemind names its network handlers after the class); serves the
-    next of `variants` as its state to each peer that downloads it."""
+    """Named like the peers' averager (hivemind names its network handlers after the class); serves
+    each peer that downloads from it the next of `variants`, and that same one if the peer asks again
+    (so each refusal a peer reports names one variant)."""
 
     def __init__(self, *args, variants=(), **kwargs):
-        self.variants, self.served = list(variants), 0
+        self.variants, self.variant_of = list(variants), {}
         super().__init__(*args, **kwargs)
 
-    def get_current_state(self):
-        name, metadata, tensors = self.variants[self.served % len(self.variants)]
-        self.served += 1
-        say(f"served {name}")
-        return metadata, tensors, None
+    async def rpc_download_state(  # runs in the averager's process
+        self, _request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        requester = context.remote_id.to_base58()
+        index = self.variant_of.setdefault(requester, len(self.variant_of) % len(self.variants))
+        name, metadata, tensors = self.variants[index]
+        say(f"served {name} to {requester}")
+        metadata = self.serializer.dumps(metadata)
+        for tensor in tensors:
+            info = CompressionInfo.from_tensor(tensor)
+            for part in split_for_streaming(self.state_compression.compress(tensor, info, allow_inplace=False)):
+                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
+                metadata = None
 
 
 def serve_states(args, stop: threading.Event) -> None:
