@@ -555,7 +555,8 @@ def peers_down_at(chaos_events: list[dict], when: float) -> list[int]:
 
 
 def next_record(records: list[dict], after: float) -> Optional[dict]:
-    return next((r for r in records if r["time"] > after), None)
+    """The first record after `after`, leaving out the start-up's `reachability` (a restart reads as its `join`)."""
+    return next((r for r in records if r["time"] > after and r["event"] != "reachability"), None)
 
 
 def resolution(record: dict, records: list[dict]) -> str:

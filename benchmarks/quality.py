@@ -206,7 +206,7 @@ def start_swarm(run_name: str, num_peers: int) -> list:
     nodes = [start_run_node(run_name, "127.0.0.1", 0)]
     try:
         for _ in range(num_peers - 1):
-            nodes.append(start_run_node(run_name, "127.0.0.1", 0, initial_peers=visible_maddrs(nodes[0][0])))
+            nodes.append(start_run_node(run_name, "127.0.0.1", 0, initial_peers=visible_maddrs(nodes[0].dht)))
     except BaseException:
         shutdown_swarm(nodes)
         raise
@@ -214,8 +214,8 @@ def start_swarm(run_name: str, num_peers: int) -> list:
 
 
 def shutdown_swarm(nodes: Sequence) -> None:
-    for dht, _ in nodes:
-        dht.shutdown()
+    for node in nodes:
+        node.dht.shutdown()
 
 
 def run_peers_in_threads(peers: Sequence[DiLoCoPeer], max_outer_steps: int, stop: threading.Event) -> float:
@@ -304,12 +304,12 @@ def run_diloco(cfg: Config, data: TextData, num_peers: int, outer_steps: int) ->
     stop = threading.Event()
     try:
         peers, histories = [], []
-        for index, (dht, identity) in enumerate(nodes):
+        for index, node in enumerate(nodes):
             model = build_model(cfg.model, data.vocab_size, cfg.run.seed)
             seed = order_seed(cfg.run.seed, f"bench-{index}")
-            history = GlobalModelHistory(dht.peer_id.to_base58())
-            peer = DiLoCoPeer(cfg, model, functools.partial(data.peer_batches, cfg.inner.batch_size, seed), dht,
-                              identity.record_subkey, fingerprint, metrics=history, stop_event=stop)
+            history = GlobalModelHistory(node.dht.peer_id.to_base58())
+            peer = DiLoCoPeer(cfg, model, functools.partial(data.peer_batches, cfg.inner.batch_size, seed), node,
+                              fingerprint, metrics=history, stop_event=stop)
             history.watch(peer.global_model)
             peers.append(peer)
             histories.append(history)

@@ -53,7 +53,12 @@ def main():
 
 @main.command()
 @_network_options(default_port=31337)
-def bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose):
+@click.option("--assist/--no-assist", default=True, show_default=True,
+              help="Reduce for the peers of a run when every one of them is unreachable (behind NAT). Costs "
+                   "bandwidth and memory: see docs/network.md.")
+@click.option("--assist-max-params", default=50_000_000, show_default=True, type=click.IntRange(0),
+              help="Assist runs whose averaged parameters add up to at most this many (an fp32 copy each).")
+def bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist, assist_max_params):
     """Host a DHT node that peers use to find each other.
 
     Prints every multiaddr it can be reached at, one per line: give one of them to peers as
@@ -61,7 +66,7 @@ def bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose):
     """
     from p2p_diloco.node_runner import run_bootstrap
 
-    sys.exit(run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose))
+    sys.exit(run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist, assist_max_params))
 
 
 @main.command()
@@ -82,7 +87,12 @@ def bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose):
                    "most swarm.start_wait_timeout seconds; for peers started together, so none trains alone.")
 def peer(config_path, host, port, announce_ip, identity_path, initial_peers, verbose, metrics_file,
          checkpoint_dir, max_outer_steps, device, wait_for_peers):
-    """Join a swarm and train with DiLoCo until stopped (Ctrl+C / SIGTERM leaves cleanly)."""
+    """Join a swarm and train with DiLoCo until stopped (Ctrl+C / SIGTERM leaves cleanly).
+
+    At start-up the peer asks its initial peers to dial it back. If they cannot (NAT, firewall), it
+    averages as a client, dialing every connection itself, and says so in one line with the flags
+    that would make it reachable (docs/network.md).
+    """
     from p2p_diloco.node_runner import run_peer
 
     sys.exit(run_peer(config_path, host, port, announce_ip, identity_path, initial_peers, verbose,

@@ -9,6 +9,8 @@ widen the window of a phase so that a test can hit it reliably, or make a peer s
 * ``allreduce_delay``: seconds this peer, as a reducer, waits before replying with averaged parts,
   in its ``allreduce_delay_round``-th all-reduce only (default: the first), so that its groupmates
   sit mid all-reduce waiting on it; "fault injection: pausing mid all-reduce" is logged first;
+* ``allreduce_send_delay``: seconds this peer, as a sender, waits after it sent its first part to a
+  reducer, in the same round (for a peer that reduces nothing: an unreachable client);
 * ``serve_state_delay``: seconds a donor pauses after it sent the first part of its state to a
   joiner, so that a kill lands mid-transfer ("fault injection: pausing mid state transfer" is
   logged first).
@@ -22,7 +24,7 @@ import time
 
 logger = logging.getLogger(__name__)
 
-KNOWN = ("inner_step_delay", "allreduce_delay", "allreduce_delay_round", "serve_state_delay")
+KNOWN = ("inner_step_delay", "allreduce_delay", "allreduce_send_delay", "allreduce_delay_round", "serve_state_delay")
 
 
 def _parse(spec: str) -> dict[str, float]:
@@ -38,11 +40,12 @@ def _parse(spec: str) -> dict[str, float]:
 ACTIVE = _parse(os.environ.get("P2P_DILOCO_FAULTS", ""))
 
 
-def allreduce_pause_s(round_index: int) -> float:
-    """The pause to inject into this process's `round_index`-th all-reduce (1-based), or 0."""
+def allreduce_pause_s(round_index: int, role: str = "reducer") -> float:
+    """The pause to inject into this process's `round_index`-th all-reduce (1-based) as a "reducer" or a
+    "sender", or 0."""
     if round_index != int(ACTIVE.get("allreduce_delay_round", 1)):
         return 0.0
-    return ACTIVE.get("allreduce_delay", 0.0)
+    return ACTIVE.get("allreduce_delay" if role == "reducer" else "allreduce_send_delay", 0.0)
 
 
 def after_inner_step() -> None:

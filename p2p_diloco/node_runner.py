@@ -69,12 +69,14 @@ def print_maddrs(dht, prefix: str = "") -> None:
         print(f"{prefix}{maddr}", flush=True)
 
 
-def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose) -> int:
+def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist: bool = True,
+                  assist_max_params: int = 0) -> int:
     setup_logging(verbose)
     from p2p_diloco.process_tree import children_exit_with_this_process
     from p2p_diloco.swarm.identity import Identity, IdentityError
     from p2p_diloco.swarm.node import NodeAddressError, start_dht
     from p2p_diloco.swarm.records import node_validators
+    from p2p_diloco.sync.assistant import AssistantPool
 
     stop = install_stop_handlers()
     children_exit_with_this_process()
@@ -88,7 +90,12 @@ def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose
     try:
         print_maddrs(dht)
         logger.info("bootstrap node is up; give peers one of the addresses above as --initial-peers")
+        pool = AssistantPool(dht, assist_max_params) if assist else None
+        logger.info("reducing for runs whose peers nobody can dial: %s",
+                    f"yes, up to {assist_max_params:,} parameters" if assist else "no (--no-assist)")
         stop.wait()
+        if pool is not None:
+            pool.close()
     finally:
         shutdown_dht(dht)
         logger.info("bootstrap node stopped")
@@ -169,18 +176,21 @@ def run_peer(config_path, host, port, announce_ip, identity_path, initial_peers,
         return _fail(str(e), EXIT_USAGE)
     children_exit_with_this_process()
     try:
-        dht, _ = start_run_node(cfg.run.name, host, port, identity, announce_ip, initial_peers)
+        node = start_run_node(cfg.run.name, host, port, identity, announce_ip, initial_peers)
     except NodeAddressError as e:
         return _fail(str(e), EXIT_USAGE)
     except ConnectionError as e:
         return _fail(str(e), EXIT_UNREACHABLE)
+    dht = node.dht
     try:
         print_maddrs(dht, prefix="peer reachable at ")
+        summary = node.reachability.summary(port)
+        print(summary, flush=True)
         logger.info("run %r, settings fingerprint %s", cfg.run.name, fingerprint[:16])
         metrics = MetricsWriter(metrics_file, identity.peer_id)
-        trainer = DiLoCoPeer(cfg, model, batches_from, dht, identity.record_subkey, fingerprint, metrics)
-        # hivemind's averager sets SIGINT to "ignore" in this process when it starts: install ours after it
-        trainer.stop_event = install_stop_handlers()
+        metrics.write("reachability", reachability=node.reachability.mode, detail=node.reachability.detail,
+                      reduces=node.reachability.can_reduce, summary=summary)
+        trainer = DiLoCoPeer(cfg, model, batches_from, node, fingerprint, metrics, stop_event=install_stop_handlers())
         trainer.run(max_outer_steps, wait_for_peers)
         metrics.close()
     finally:

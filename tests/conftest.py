@@ -61,11 +61,14 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
         self.orphans: list[int] = []  # children of killed processes, stopped again at the end
 
-    def start(self, name: str, *args: str, env: dict | None = None, module: str = "p2p_diloco.cli") -> subprocess.Popen:
-        """`python -m module *args` (the `p2p-diloco` command unless told otherwise), logging to name.log."""
+    def start(self, name: str, *args: str, env: dict | None = None, module: str = "p2p_diloco.cli",
+              netns: str | None = None) -> subprocess.Popen:
+        """`python -m module *args` (the `p2p-diloco` command unless told otherwise), logging to name.log;
+        inside network namespace `netns` if given (`ip netns exec` execs it: the PID is still Python's)."""
         log = open(self.log_dir / f"{name}.log", "a")
+        inside = ["ip", "netns", "exec", netns] if netns else []
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*inside, sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE if name.startswith("bootstrap") else log,
             # the repository on the path: `tests.hostile` runs from the test's own directory
             stderr=log, text=True, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, cwd=self.log_dir,

@@ -38,7 +38,7 @@ from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.process_tree import children_exit_with_this_process
 from p2p_diloco.swarm.identity import owner_peer_id
 from p2p_diloco.swarm.records import progress_key, rounds_key
-from p2p_diloco.sync.outer_sync import STEP_KEY_BITS, averager_prefix
+from p2p_diloco.sync.outer_sync import averager_prefix, group_bits
 from p2p_diloco.train.data import TextData, tokenizer_sha256
 from p2p_diloco.train.model import build_model, trainable_parameters
 
@@ -91,7 +91,8 @@ def write_records(args, stop: threading.Event) -> None:
     mine = signer.local_public_key
     say(f"records signed as {owner_peer_id(mine)}")
     victim_key = RSASignatureValidator(RSAPrivateKey()).local_public_key  # a marker this node cannot sign for
-    good = dict(outer_step=1, sha256="ab" * 32, phase="training", samples=0, time=time.time(), fingerprint=fingerprint)
+    good = dict(outer_step=1, sha256="ab" * 32, phase="training", samples=0, time=time.time(), fingerprint=fingerprint,
+                reachability="direct")
     progress = {
         b"no owner": good,  # unsigned: nobody can tell whose it is
         mine + b"#string-step": {**good, "outer_step": "9"},
@@ -190,7 +191,7 @@ def serve_states(args, stop: threading.Event) -> None:
 
 
 # ----- groupmate ----------------------------------------------------------------------------------
-GATHER = dict(outer_step=0, global_sha256="ab" * 32, samples=16, token="00" * 8)  # step and state: the swarm's
+GATHER = dict(outer_step=0, global_sha256="ab" * 32, samples=16, token="00" * 8, role="peer")  # step, state: the swarm's
 GROUPMATE_VARIANTS = {  # name -> (the metadata it gathers, the value of every tensor element it sends)
     "string outer step": ({**GATHER, "outer_step": "9"}, 0.0),
     "negative samples": ({**GATHER, "samples": -5}, 0.0),
@@ -225,7 +226,7 @@ def join_groups(args, stop: threading.Event) -> None:
             deadline = time.monotonic() + args.seconds_per_identity
             while time.monotonic() < deadline and not stop.is_set():
                 step, sha256 = honest_state(dht, cfg.run.name)
-                averager.set_group_bits(format(step % 2**STEP_KEY_BITS, f"0{STEP_KEY_BITS}b"))
+                averager.set_group_bits(group_bits(step))
                 control = averager.step(gather=as_the_swarm(gather, step, sha256), weight=1.0, wait=False,
                                         timeout=cfg.swarm.matchmaking_time * 3, allow_retries=False)
                 try:

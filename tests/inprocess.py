@@ -17,23 +17,20 @@ from p2p_diloco.train.model import build_model
 @contextmanager
 def inprocess_peers(cfg: Config, vocab_size: int, batch_lists: Sequence[list[torch.Tensor]]):
     """One DiLoCoPeer per batch list, all in one DHT; every DHT is shut down on exit."""
-    dhts, identities = [], []
+    nodes = []
     fingerprint = run_fingerprint(cfg, tokenizer_sha256="fixed test batches")
     try:
         for _ in batch_lists:
-            dht, identity = start_run_node(cfg.run.name, "127.0.0.1", 0,
-                                           initial_peers=visible_maddrs(dhts[0]) if dhts else ())
-            dhts.append(dht)
-            identities.append(identity)
+            first = visible_maddrs(nodes[0].dht) if nodes else ()
+            nodes.append(start_run_node(cfg.run.name, "127.0.0.1", 0, initial_peers=first))
         peers = [
-            DiLoCoPeer(cfg, build_model(cfg.model, vocab_size, cfg.run.seed), batches_from(batches), dht,
-                       identity.record_subkey, fingerprint)
-            for dht, identity, batches in zip(dhts, identities, batch_lists)
+            DiLoCoPeer(cfg, build_model(cfg.model, vocab_size, cfg.run.seed), batches_from(batches), node, fingerprint)
+            for node, batches in zip(nodes, batch_lists)
         ]
         yield peers
     finally:
-        for dht in dhts:
-            dht.shutdown()
+        for node in nodes:
+            node.dht.shutdown()
 
 
 def run_in_threads(peers: Sequence[DiLoCoPeer], max_outer_steps: int, timeout_s: float = 240.0) -> None:

@@ -9,12 +9,15 @@ from typing import Callable
 
 from p2p_diloco.metrics import read_metrics
 from tests.conftest import TINY, Processes, read_first_line, write_toml
+from tests.netns import Host
+
+LOOPBACK = Host("loopback", namespace=None, ip="127.0.0.1", link="lo")
 
 
-def start_bootstrap(processes: Processes) -> str:
-    proc = processes.start("bootstrap", "bootstrap", "--host", "127.0.0.1", "--port", "0")
+def start_bootstrap(processes: Processes, host: Host = LOOPBACK, *extra: str) -> str:
+    proc = processes.start("bootstrap", "bootstrap", "--host", host.ip, "--port", "0", *extra, netns=host.namespace)
     maddr = read_first_line(proc)
-    assert maddr.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in maddr, maddr
+    assert maddr.startswith(f"/ip4/{host.ip}/tcp/") and "/p2p/" in maddr, maddr
     return maddr
 
 
@@ -26,10 +29,13 @@ def tiny_config_file(directory: Path, **sections) -> Path:
     return write_toml(directory / "run.toml", raw)
 
 
-def start_peer(processes: Processes, name: str, config: Path, maddr: str, *extra: str, faults: str = "") -> Path:
+def start_peer(processes: Processes, name: str, config: Path, maddr: str, *extra: str, faults: str = "",
+               host: Host = LOOPBACK) -> Path:
+    """A `p2p-diloco peer` on `host` (loopback, or a network namespace's address); returns its metrics file."""
     metrics = processes.log_dir / f"{name}.jsonl"
-    processes.start(name, "peer", "--config", str(config), "--host", "127.0.0.1", "--initial-peers", maddr,
-                    "--metrics-file", str(metrics), *extra, env={"P2P_DILOCO_FAULTS": faults} if faults else None)
+    processes.start(name, "peer", "--config", str(config), "--host", host.ip, "--initial-peers", maddr,
+                    "--metrics-file", str(metrics), *extra, env={"P2P_DILOCO_FAULTS": faults} if faults else None,
+                    netns=host.namespace)
     return metrics
 
 

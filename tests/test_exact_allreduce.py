@@ -24,9 +24,9 @@ def test_weighted_mean_is_bit_identical_on_all_peers():
     try:
         for _ in range(4):
             first = visible_maddrs(dhts[0]) if dhts else ()
-            dht, identity = start_run_node("exact", "127.0.0.1", 0, initial_peers=first)
-            dhts.append(dht)
-            syncs.append(OuterSync(dht, "exact", "f" * 64, identity.record_subkey, shapes, cfg,
+            node = start_run_node("exact", "127.0.0.1", 0, initial_peers=first)
+            dhts.append(node.dht)
+            syncs.append(OuterSync(node.dht, "exact", "f" * 64, node.identity.record_subkey, shapes, cfg,
                                    state_provider=lambda: ({}, [])))
         results = [None] * 4
 

@@ -1,11 +1,15 @@
 """How a peer decides, from the progress records alone, to train or to load the agreed state."""
 
+from dataclasses import replace
+
 import pytest
 
 from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.progress import (
-    LOADING, READY, TRAINING, PeerProgress, agreed_sha256, parse_progress, plan_round,
+    LOADING, READY, TRAINING, PeerProgress, agreed_sha256, parse_progress, plan_averaging, plan_round,
 )
+from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
+from p2p_diloco.sync.assistant import RoundsToAssist, step_needing_help
 
 
 def rec(peer, step, sha, phase=TRAINING):
@@ -55,7 +59,8 @@ def test_a_load_plan_names_the_records_that_vouch_for_its_target():
 
 
 FINGERPRINT = "f" * 64
-GOOD = dict(outer_step=3, sha256="ab" * 32, phase="training", samples=12, time=1.0, fingerprint=FINGERPRINT)
+GOOD = dict(outer_step=3, sha256="ab" * 32, phase="training", samples=12, time=1.0, fingerprint=FINGERPRINT,
+            reachability="direct")
 
 
 def test_a_signed_record_speaks_for_its_signer_only():
@@ -78,3 +83,41 @@ def test_records_without_an_owner_or_of_other_settings_are_ignored():
     assert parse_progress(b"no owner", dict(GOOD), FINGERPRINT) is None
     assert parse_progress(identity.record_subkey, "garbage", FINGERPRINT) is None
     assert parse_progress(identity.record_subkey, dict(GOOD), "e" * 64) is None
+
+
+def rec_at(peer, step, reachability, phase=READY):
+    return PeerProgress(peer, step, "aa", phase, 8, 0.0, reachability)
+
+
+def test_a_peer_steps_alone_only_in_an_empty_swarm():
+    assert plan_averaging({"me": rec_at("me", 4, DIRECT)}, 4, "me", DIRECT).action == "alone"
+    behind = {"me": rec_at("me", 4, DIRECT), "b": rec_at("b", 2, DIRECT, TRAINING)}
+    plan = plan_averaging(behind, 4, "me", DIRECT)
+    assert plan.action == "skip" and "not stepping alone" in plan.reason
+
+
+def test_a_group_of_unreachable_peers_needs_an_assistant():
+    records = {"me": rec_at("me", 4, UNREACHABLE), "b": rec_at("b", 4, UNREACHABLE)}
+    plan = plan_averaging(records, 4, "me", UNREACHABLE)
+    assert plan.action == "average" and plan.needs_assistant
+    records["c"] = rec_at("c", 4, DIRECT)
+    assert not plan_averaging(records, 4, "me", UNREACHABLE).needs_assistant
+    assert not plan_averaging(records, 4, "c", DIRECT).needs_assistant
+
+
+def test_an_assistant_helps_only_where_every_ready_peer_is_unreachable():
+    unreachable = [rec_at(p, 4, UNREACHABLE) for p in "ab"]
+    assert step_needing_help(unreachable) == 4
+    assert step_needing_help([*unreachable, rec_at("c", 4, DIRECT)]) is None  # c reduces
+    assert step_needing_help([*unreachable, rec_at("c", 4, UNREACHABLE, TRAINING)]) is None  # not ready yet
+    assert step_needing_help(unreachable[:1]) is None  # nobody to average with
+
+
+def test_an_assistant_joins_each_publication_of_ready_records_once():
+    rounds = RoundsToAssist()
+    ready = [rec_at(p, 4, UNREACHABLE) for p in "ab"]
+    assert rounds.next_round(ready) == 4
+    assert rounds.next_round(ready) is None  # the records of the round it just reduced, still "ready"
+    retried = [replace(r, time=r.time + 30) for r in ready]  # the peers publish "ready" again: a retry
+    assert rounds.next_round(retried) == 4
+    assert rounds.next_round([rec_at(p, 5, UNREACHABLE) for p in "ab"]) == 5

@@ -5,12 +5,18 @@ hivemind listens on loopback by default; a node reachable over the internet list
 peer ID, hence the same multiaddr, across restarts: a bootstrap node's address stays valid. The same
 identity key signs the node's DHT records (:mod:`p2p_diloco.swarm.identity`), and the node checks
 every record it stores or receives with the validators it is given (:mod:`p2p_diloco.swarm.records`).
+
+A peer checks at start-up whether the swarm can dial it (:mod:`p2p_diloco.swarm.reachability`). If
+not, it restarts its node as a DHT client: others cannot dial it, so it must not be one of the nodes
+that store records; everything it needs (storing and reading records, matchmaking, sending parts to
+reducers, downloading state) it dials itself.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+from dataclasses import dataclass
 from typing import Sequence
 
 from hivemind import DHT
@@ -18,6 +24,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.swarm.identity import Identity
+from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE, Reachability, probe, serve_dial_back
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +75,14 @@ def start_dht(
     record_validators: Sequence[RecordValidatorBase],
     announce_ip: str | None = None,
     initial_peers: Sequence[str] = (),
+    client_mode: bool = False,
     startup_timeout: float = 60.0,
 ) -> DHT:
-    """Start a DHT node (and its p2pd daemon); raise a one-line error if the swarm is unreachable."""
+    """Start a DHT node (and its p2pd daemon); raise a one-line error if the swarm is unreachable.
+
+    A `client_mode` node stores no records for others and answers no DHT requests: for a node that
+    others cannot dial. Every node answers dial-back requests (:func:`serve_dial_back`).
+    """
     with identity.key_file() as key_file:  # p2pd reads it while the node starts
         dht = DHT(
             host_maddrs=listen_maddrs(host, port),
@@ -80,6 +92,7 @@ def start_dht(
             # hivemind's check asks the swarm whether another node already uses the key: not for a new one
             check_if_identity_free=not identity.is_new,
             record_validators=record_validators,
+            client_mode=client_mode,
             start=True,
             await_ready=False,
         )
@@ -93,12 +106,22 @@ def start_dht(
                     f"node runs and that its address and port are reachable from here."
                 ) from None
             raise
+    serve_dial_back(dht)
     return dht
 
 
 def visible_maddrs(dht: DHT) -> list[str]:
     """The multiaddrs others can dial to reach this node (copy one into --initial-peers)."""
     return [str(m) for m in dht.get_visible_maddrs(latest=True)]
+
+
+@dataclass
+class RunNode:
+    """A peer's node in the swarm of its run, and how others reach it."""
+
+    dht: DHT
+    identity: Identity
+    reachability: Reachability
 
 
 def start_run_node(
@@ -108,13 +131,22 @@ def start_run_node(
     identity: Identity | None = None,
     announce_ip: str | None = None,
     initial_peers: Sequence[str] = (),
-) -> tuple[DHT, Identity]:
-    """The DHT node of a peer of run `run_name`: it signs its records and checks the run's record schema.
-
-    Without `identity`, the node gets a fresh one for this process.
+) -> RunNode:
+    """The DHT node of a peer of run `run_name`: it signs its records, checks the run's record schema,
+    and has found out whether the swarm can dial it (a node that others cannot dial is restarted as a
+    DHT client; see the module docstring). Without `identity`, the node gets a fresh one.
     """
     from p2p_diloco.swarm.records import run_validators
 
     identity = identity or Identity.load_or_create(None)
-    dht = start_dht(host, port, identity, run_validators(identity, run_name), announce_ip, initial_peers)
-    return dht, identity
+    validators = run_validators(identity, run_name)
+    dht = start_dht(host, port, identity, validators, announce_ip, initial_peers)
+    helpers = [Multiaddr(maddr).value_for_protocol("p2p") for maddr in parse_initial_peers(initial_peers)]
+    found = probe(dht, helpers)
+    if found is None:
+        reason = "no initial peer" if not helpers else "no initial peer answered a dial-back request"
+        return RunNode(dht, identity, Reachability(DIRECT, f"{reason}: assuming the swarm can dial this node"))
+    if found.mode == UNREACHABLE:
+        dht.shutdown()
+        dht = start_dht(host, port, identity, validators, announce_ip, initial_peers, client_mode=True)
+    return RunNode(dht, identity, found)

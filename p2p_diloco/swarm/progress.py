@@ -30,15 +30,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hivemind import DHT
-from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.remote_input import parse, warn_once
 from p2p_diloco.swarm.identity import owner_peer_id
-from p2p_diloco.swarm.records import LEFT, LOADING, READY, TRAINING, ProgressValue, progress_key
+from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
+from p2p_diloco.swarm.records import (
+    LEFT, LOADING, READY, TRAINING, ProgressValue, RecordPublisher, progress_key,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRAINING", "READY", "LOADING", "LEFT", "PeerProgress", "SwarmProgress", "RoundPlan", "plan_round"]
+__all__ = ["TRAINING", "READY", "LOADING", "LEFT", "PeerProgress", "SwarmProgress", "RoundPlan", "plan_round",
+           "AveragingPlan", "plan_averaging"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class PeerProgress:
     phase: str
     samples: int = 0  # samples in this peer's pseudo-gradient so far
     time: float = 0.0
+    reachability: str = DIRECT  # DIRECT (others can dial it: it can reduce) or UNREACHABLE
 
 
 def parse_progress(subkey: object, value: object, fingerprint: str) -> Optional[PeerProgress]:
@@ -68,72 +72,45 @@ def parse_progress(subkey: object, value: object, fingerprint: str) -> Optional[
                   f"its settings fingerprint is {record.fingerprint[:12]}, this peer's {fingerprint[:12]}; "
                   f"the two cannot average together")
         return None
-    return PeerProgress(author, record.outer_step, record.sha256, record.phase, record.samples, record.time)
+    return PeerProgress(author, record.outer_step, record.sha256, record.phase, record.samples, record.time,
+                        record.reachability)
+
+
+def read_progress(dht: DHT, key: str, fingerprint: str) -> list[PeerProgress]:
+    """The live progress records under `key` of the peers that train with `fingerprint` (LEFT omitted)."""
+    found = dht.get(key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = (parse_progress(subkey, getattr(item, "value", None), fingerprint) for subkey, item in found.value.items())
+    return [record for record in records if record is not None and record.phase != LEFT]
 
 
 class SwarmProgress:
-    """Reads and writes the run's progress records on the DHT.
+    """Reads the run's progress records on the DHT, and keeps this peer's own fresh (:class:`RecordPublisher`)."""
 
-    A background thread re-publishes this peer's latest record every ttl/3 seconds, so a record
-    outlives long inner phases, and vanishes within `ttl` of the peer crashing or freezing.
-    """
-
-    def __init__(self, dht: DHT, run_name: str, ttl: float, record_subkey: bytes, fingerprint: str):
+    def __init__(self, dht: DHT, run_name: str, ttl: float, record_subkey: bytes, fingerprint: str,
+                 reachability: str = DIRECT):
         self.dht = dht
         self.key = progress_key(run_name)
-        self.ttl = ttl
-        self.record_subkey = record_subkey
         self.fingerprint = fingerprint
+        self.reachability = reachability
         self.peer_id = dht.peer_id.to_base58()
         self._unverified: dict[str, tuple[int, str]] = {}  # peer ID -> the state it claims that nobody served
-        self._latest: Optional[PeerProgress] = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._refresh_periodically, name="progress-heartbeat", daemon=True)
-        self._heartbeat.start()
+        self._publisher = RecordPublisher(dht, self.key, record_subkey, ttl, "progress")
 
     def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0) -> None:
-        record = PeerProgress(self.peer_id, outer_step, sha256, phase, samples, time.time())
-        with self._lock:
-            self._latest = record
-            self._store(record)
-
-    def _store(self, record: PeerProgress) -> None:
-        # hivemind keeps whichever value of a subkey expires last, so every record (a LEFT one too)
-        # must expire later than the one it replaces: all use the same ttl from "now"
-        value = dict(outer_step=record.outer_step, sha256=record.sha256, phase=record.phase, samples=record.samples,
-                     time=record.time, fingerprint=self.fingerprint)
-        try:
-            ok = self.dht.store(
-                self.key, value=value, subkey=self.record_subkey, expiration_time=get_dht_time() + self.ttl
-            )
-        except Exception as e:  # the DHT process is gone (shutting down): nothing left to tell
-            logger.debug("could not store the progress record: %r", e)
-            return
-        if not ok and record.phase != LEFT:
-            logger.warning("could not store this peer's progress record on the DHT")
-
-    def _refresh_periodically(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            with self._lock:
-                if self._latest is not None and self._latest.phase != LEFT:
-                    self._store(self._latest)
+        value = dict(outer_step=outer_step, sha256=sha256, phase=phase, samples=samples, time=time.time(),
+                     fingerprint=self.fingerprint, reachability=self.reachability)
+        self._publisher.publish(value, keep_fresh=phase != LEFT)
 
     def close(self) -> None:
-        self._stop.set()
-        self._heartbeat.join(timeout=5)
+        self._publisher.close()
 
     def fetch(self) -> dict[str, PeerProgress]:
         """Live records of this run's peers, this one included (peers that left are omitted, and so are
         claims of a state that nobody served)."""
-        found = self.dht.get(self.key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
         records = {}
-        for subkey, item in found.value.items():
-            record = parse_progress(subkey, getattr(item, "value", None), self.fingerprint)
-            if record is None or record.phase == LEFT:
-                continue
+        for record in read_progress(self.dht, self.key, self.fingerprint):
             if self._unverified.get(record.peer_id) == (record.outer_step, record.sha256):
                 continue
             self._unverified.pop(record.peer_id, None)  # it moved on: its new claim counts again
@@ -242,3 +219,32 @@ def _load(records: dict[str, PeerProgress], step: int, reason: str) -> RoundPlan
     sha = agreed_sha256(records, step)
     claims = {pid: (r.outer_step, r.sha256) for pid, r in records.items() if r.outer_step == step and r.sha256 == sha}
     return RoundPlan("load", reason, step, sha, claims)
+
+
+@dataclass(frozen=True)
+class AveragingPlan:
+    """Whether and how this peer averages at its outer step, once its groupmates are ready."""
+
+    action: str  # "average" with the peers at this step, "alone" (the swarm is empty), or "skip" this round
+    needs_assistant: bool = False  # nobody at this step can reduce: only an assistant can (sync/assistant.py)
+    reason: str = ""
+
+
+def plan_averaging(records: dict[str, PeerProgress], outer_step: int, peer_id: str, reachability: str) -> AveragingPlan:
+    """Decide from the progress records how this peer averages toward `outer_step + 1`.
+
+    It never steps alone while other peers are live: a peer behind will load this peer's state and
+    average with it next round (this peer keeps its inner steps in the meantime). When every peer at
+    this step is unreachable, nobody of them can reduce: the round needs an assistant, a reachable
+    node that reduces for them.
+    """
+    others = [r for pid, r in records.items() if pid != peer_id]
+    groupmates = [r for r in others if r.outer_step == outer_step]
+    if not groupmates:
+        if others:
+            steps = ", ".join(str(step) for step in sorted({r.outer_step for r in others}))
+            return AveragingPlan("skip", reason=f"no other peer is at outer step {outer_step} while {len(others)} "
+                                                f"live peer(s) are at outer step(s) {steps}: not stepping alone")
+        return AveragingPlan("alone", reason="no other peer is in the swarm")
+    nobody_reduces = reachability == UNREACHABLE and all(r.reachability == UNREACHABLE for r in groupmates)
+    return AveragingPlan("average", needs_assistant=nobody_reduces)

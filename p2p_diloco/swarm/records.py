@@ -5,6 +5,9 @@ A run keeps two keys on the DHT, each a dictionary with one subkey per peer:
 * ``<run>_progress``: where each peer is (:mod:`p2p_diloco.swarm.progress`);
 * ``<run>_rounds``: each peer's reports on its last averaging rounds (:mod:`p2p_diloco.sync.commit`).
 
+One key is shared by all runs: ``p2p_diloco_assistance``, where unreachable peers ask reachable
+nodes (bootstrap nodes, which know no run) to reduce for their run (:mod:`p2p_diloco.sync.assistant`).
+
 Every subkey is a peer's *owner marker* (``[owner:<its RSA public key>]``) and every value is signed
 by that key. Each node of a run checks every record it is asked to store or receives in a reply
 with two hivemind validators (``hivemind/dht/validation.py`` says when they run):
@@ -21,6 +24,8 @@ never a peer ID written inside the value.
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Dict, Literal, Optional
 
 import pydantic.v1 as pydantic
@@ -28,9 +33,12 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.remote_input import Count, FiniteFloat, OuterStep, Sha256Hex, StrictModel, Token, warn_once
 from p2p_diloco.swarm.identity import Identity, owner_peer_id
+
+logger = logging.getLogger(__name__)
 
 TRAINING, READY, LOADING, LEFT = "training", "ready", "loading", "left"
 
@@ -44,6 +52,7 @@ class ProgressValue(StrictModel):
     samples: Count
     time: FiniteFloat
     fingerprint: Sha256Hex
+    reachability: Literal["direct", "unreachable"]  # see p2p_diloco.swarm.reachability
 
 
 class RoundReport(StrictModel):
@@ -69,6 +78,41 @@ class RunRecords(pydantic.BaseModel):
 
     class Config:
         extra = pydantic.Extra.forbid
+
+
+MAX_TENSORS = 4096
+Shape = pydantic.conlist(pydantic.conint(strict=True, ge=1, le=2**31), max_items=8)
+Seconds = pydantic.confloat(strict=True, gt=0, le=86400, allow_inf_nan=False)
+
+
+class AssistanceRequest(StrictModel):
+    """An unreachable peer's request that a reachable node reduce for its run (:mod:`p2p_diloco.sync.assistant`):
+    what an assistant must know to join the run's groups."""
+
+    run: pydantic.constr(strict=True, regex=r"^[A-Za-z0-9_-]{1,64}$")
+    fingerprint: Sha256Hex
+    shapes: pydantic.conlist(Shape, min_items=1, max_items=MAX_TENSORS)  # of the averaged tensors
+    matchmaking_time: Seconds
+    request_timeout: Seconds
+    allreduce_timeout: Seconds
+    next_chunk_timeout: Seconds
+    time: FiniteFloat
+
+
+class SharedRecords(pydantic.BaseModel):
+    """DHT keys shared by every run, so that a node that knows no run finds them (prefix: ``p2p_diloco``)."""
+
+    assistance: Dict[BytesWithPublicKey, AssistanceRequest]
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+SHARED_PREFIX = "p2p_diloco"
+
+
+def assistance_key() -> str:
+    return f"{SHARED_PREFIX}_assistance"
 
 
 def progress_key(run_name: str) -> str:
@@ -118,9 +162,52 @@ class LoggedSchemaValidator(SchemaValidator):
 
 def node_validators(identity: Identity) -> list[RecordValidatorBase]:
     """What every node checks, whatever run it serves (a bootstrap node knows no run)."""
-    return [LoggedSignatureValidator(identity.private_key)]
+    return [LoggedSignatureValidator(identity.private_key), LoggedSchemaValidator(SharedRecords, prefix=SHARED_PREFIX)]
 
 
 def run_validators(identity: Identity, run_name: str) -> list[RecordValidatorBase]:
     """What a peer of run `run_name` checks: signatures and the schema of the run's records."""
     return [*node_validators(identity), LoggedSchemaValidator(RunRecords, prefix=run_name)]
+
+
+class RecordPublisher:
+    """Keeps one record of this node fresh on the DHT under its signed subkey.
+
+    A background thread stores the latest value again every ttl/3 seconds, so that the record
+    outlives long phases of the node and vanishes within `ttl` of the node crashing or freezing.
+    hivemind keeps whichever value of a subkey expires last, so every value (a final one too)
+    expires `ttl` after it was stored.
+    """
+
+    def __init__(self, dht, key: str, subkey: bytes, ttl: float, what: str):
+        self.dht, self.key, self.subkey, self.ttl, self.what = dht, key, subkey, ttl, what
+        self._value: Optional[dict] = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._refresh_periodically, name=f"{what}-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def publish(self, value: dict, keep_fresh: bool = True) -> None:
+        """Store `value` now; refresh it until the next publish, unless `keep_fresh` is False (a last word)."""
+        with self._lock:
+            self._value = value if keep_fresh else None
+            self._store(value, complain=keep_fresh)
+
+    def _store(self, value: dict, complain: bool = True) -> None:
+        try:
+            ok = self.dht.store(self.key, value=value, subkey=self.subkey, expiration_time=get_dht_time() + self.ttl)
+        except Exception as e:  # the DHT process is gone (shutting down): nothing left to tell
+            logger.debug("could not store the %s record: %r", self.what, e)
+            return
+        if not ok and complain:
+            logger.warning("could not store this node's %s record on the DHT", self.what)
+
+    def _refresh_periodically(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            with self._lock:
+                if self._value is not None:
+                    self._store(self._value)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._heartbeat.join(timeout=5)

@@ -97,8 +97,9 @@ class ExactAllReduceRunner(AllReduceRunner):
     """
 
     def __init__(self, *, traffic: "TrafficCounters", sender_weights: dict[PeerID, float], screen: GroupScreen,
-                 fault_pause_s: float = 0.0, **kwargs):
+                 fault_pause_s: float = 0.0, fault_send_pause_s: float = 0.0, **kwargs):
         super().__init__(**kwargs)
+        self.fault_send_pause_s = fault_send_pause_s
         self.sender_weights = sender_weights
         self.screen = screen  # a groupmate that sends a malformed part is banned there
         self.bad_input: Optional[str] = None  # set when a sender's part was malformed: the round is void
@@ -117,9 +118,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container.register_processed_part = register_and_count
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        first = True
         async for message in super()._generate_input_for_peer(peer_index):
             self.traffic.add(sent=len(message.tensor_part.buffer))
             yield message
+            if first and self.fault_send_pause_s:
+                logger.warning("fault injection: pausing mid all-reduce (sending) for %.1f s", self.fault_send_pause_s)
+                await asyncio.sleep(self.fault_send_pause_s)
+            first = False
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         if peer_id != self.peer_id:
@@ -279,6 +285,7 @@ class ExactMeanAverager(DecentralizedAverager):
             sender_weights={peer_id: float(meta.samples) for peer_id, meta in metadata.items()},
             screen=self.screen,
             fault_pause_s=faults.allreduce_pause_s(self.rounds_started),
+            fault_send_pause_s=faults.allreduce_pause_s(self.rounds_started, role="sender"),
             **kwargs,
         )
         logger.info("all-reduce started: group of %d (%s)", len(group_info.peer_ids),

@@ -15,7 +15,8 @@ to join its group, and a group that already holds it is void before any tensor i
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 import pydantic.v1 as pydantic
 from hivemind.averaging.allreduce import AveragingMode
@@ -35,8 +36,9 @@ class GroupMetadata(StrictModel):
 
     outer_step: OuterStep
     global_sha256: Sha256Hex
-    samples: pydantic.conint(strict=True, ge=1, le=MAX_COUNT)  # its weight in the mean
+    samples: pydantic.conint(strict=True, ge=0, le=MAX_COUNT)  # its weight in the mean (an assistant has none)
     token: Token
+    role: Literal["peer", "assistant"]  # an assistant reduces for the others and sends nothing (sync/assistant.py)
 
 
 class HivemindEnvelope(StrictModel):
@@ -51,8 +53,18 @@ class MalformedGroupData(ValueError):
     """A groupmate's gathered metadata does not match the schema: the round is void."""
 
 
-def parse_gathered(data: bytes) -> tuple[Optional[GroupMetadata], Optional[str]]:
-    """One groupmate's gathered bytes -> (its metadata, None), or (None, why they are malformed)."""
+class NoReducer(RuntimeError):
+    """No member of the group can reduce (all of them are unreachable): the round cannot run."""
+
+
+@dataclass(frozen=True)
+class Member:
+    metadata: GroupMetadata
+    reduces: bool  # hivemind assigns it parts to reduce: not a client, and a bandwidth other than 0
+
+
+def parse_gathered(data: bytes) -> tuple[Optional[Member], Optional[str]]:
+    """One groupmate's gathered bytes -> (the member, None), or (None, why they are malformed)."""
     try:
         triple = MSGPackSerializer.loads(data)
         if not isinstance(triple, (list, tuple)) or len(triple) != 3:
@@ -60,7 +72,15 @@ def parse_gathered(data: bytes) -> tuple[Optional[GroupMetadata], Optional[str]]
         envelope, problem = parse(HivemindEnvelope, dict(zip(("bandwidth", "mode", "user_data"), triple)))
         if envelope is None:
             return None, problem
-        return parse(GroupMetadata, MSGPackSerializer.loads(envelope.user_data))
+        metadata, problem = parse(GroupMetadata, MSGPackSerializer.loads(envelope.user_data))
+        if metadata is None:
+            return None, problem
+        assistant = envelope.mode == AveragingMode.AUX.value
+        if (metadata.role == "assistant") != assistant or (metadata.samples == 0) != assistant:
+            return None, (f"role {metadata.role!r} with {metadata.samples} samples in hivemind mode {envelope.mode}: "
+                          f"an assistant is an auxiliary member with no samples, a peer a sender with some")
+        reduces = envelope.mode != AveragingMode.CLIENT.value and envelope.bandwidth != 0
+        return Member(metadata, reduces), None
     except Exception as e:  # not msgpack at all
         return None, f"undecodable gathered data ({type(e).__name__})"
 
@@ -90,17 +110,19 @@ class GroupScreen:
         return True
 
     def check_group(self, group_info: GroupInfo) -> dict[PeerID, GroupMetadata]:
-        """Every member's metadata; raises MalformedGroupData (and bans the culprits) if any is malformed."""
-        metadata, culprits = {}, []
+        """Every member's metadata. Raises MalformedGroupData (and bans the culprits) if any is malformed,
+        and NoReducer if no member can reduce: every member would send its parts and nobody take them."""
+        members, culprits = {}, []
         for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
-            parsed, problem = parse_gathered(gathered)
-            if parsed is None:
+            members[peer_id], problem = parse_gathered(gathered)
+            if problem is not None:
                 self.ban(peer_id, "malformed group metadata", problem)
                 culprits.append(peer_id.to_base58())
-            metadata[peer_id] = parsed
         if culprits:
             raise MalformedGroupData(f"malformed group metadata from {', '.join(culprits)}")
-        return metadata
+        if not any(member.reduces for member in members.values()):
+            raise NoReducer("no member of the group can reduce: every one is unreachable, and no assistant joined")
+        return {peer_id: member.metadata for peer_id, member in members.items()}
 
 
 class ScreenedMatchmaking(Matchmaking):

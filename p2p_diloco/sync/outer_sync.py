@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import secrets
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -66,12 +67,51 @@ def averager_prefix(run_name: str, fingerprint: str) -> str:
     return f"{run_name}_{fingerprint[:16]}_outer"
 
 
+def group_bits(outer_step: int) -> str:
+    """The averager's group key bits for a round toward `outer_step + 1`: peers at other steps never meet."""
+    return format(outer_step % 2**STEP_KEY_BITS, f"0{STEP_KEY_BITS}b")
+
+
 class SwarmAverager(StateSharing, ExactMeanAverager):
     """The exact all-reduce of the pseudo-gradients and the checked transfer of the global state."""
 
+    def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
+        """hivemind's, without its side effects on the calling process: hivemind sets SIGINT to "ignore"
+        there for good (Ctrl+C no longer stopped a peer), which fails outside the main thread."""
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the averager process inherits it: Ctrl+C is its parent's
+            try:
+                self.start()
+            finally:
+                signal.signal(signal.SIGINT, previous)
+        else:  # only the main thread may set handlers: the averager process inherits the parent's
+            self.start()
+        if await_ready:
+            self.wait_until_ready(timeout)
+
+
+def averager_timeouts(settings) -> dict:
+    """The averager settings every member of a run's groups shares, from its swarm timeouts: a
+    :class:`~p2p_diloco.config.SwarmConfig`, or an assistance request, which carries them."""
+    return dict(
+        min_matchmaking_time=settings.matchmaking_time,
+        request_timeout=settings.request_timeout,
+        allreduce_timeout=settings.allreduce_timeout,
+        next_chunk_timeout=settings.next_chunk_timeout,
+        # hivemind requires reducer_timeout > sender_timeout (a reducer may wait on senders)
+        reducer_timeout=2 * settings.next_chunk_timeout,
+        min_group_size=2,
+        shutdown_timeout=5,
+    )
+
 
 class OuterSync:
-    """One averager per peer, sized like the model's trainable parameters."""
+    """One averager per peer, sized like the model's trainable parameters.
+
+    A peer that nobody can dial (`client_mode`) averages as hivemind's client: it sends its parts to
+    reducers that it dials, reduces none, never leads a group and serves no state.
+    """
 
     def __init__(
         self,
@@ -82,8 +122,10 @@ class OuterSync:
         shapes: Sequence[torch.Size],
         cfg: SwarmConfig,
         state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
+        client_mode: bool = False,
     ):
         self.cfg = cfg
+        self.client_mode = client_mode
         self.peer_id = dht.peer_id.to_base58()
         self.reports = RoundReports(dht, run_name, ttl=cfg.progress_ttl, record_subkey=record_subkey)
         buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
@@ -92,17 +134,11 @@ class OuterSync:
             dht,
             start=True,
             prefix=averager_prefix(run_name, fingerprint),
-            min_matchmaking_time=cfg.matchmaking_time,
-            request_timeout=cfg.request_timeout,
-            allreduce_timeout=cfg.allreduce_timeout,
-            next_chunk_timeout=cfg.next_chunk_timeout,
-            # hivemind requires reducer_timeout > sender_timeout (a reducer may wait on senders)
-            reducer_timeout=2 * cfg.next_chunk_timeout,
-            min_group_size=2,
-            allow_state_sharing=True,
+            client_mode=client_mode,
+            allow_state_sharing=not client_mode,
             declare_state_period=min(30.0, cfg.progress_ttl / 2),
-            shutdown_timeout=5,
             state_provider=state_provider,
+            **averager_timeouts(cfg),
         )
 
     def average(
@@ -136,14 +172,13 @@ class OuterSync:
     def _all_reduce(
         self, pseudo_gradient, samples: int, outer_step: int, global_sha256: str, token: str, stop: threading.Event
     ) -> GroupMean:
-        bits = format(outer_step % 2**STEP_KEY_BITS, f"0{STEP_KEY_BITS}b")
-        self.averager.set_group_bits(bits)
+        self.averager.set_group_bits(group_bits(outer_step))
         with self.averager.get_tensors() as buffers:
             for buffer, delta in zip(buffers, pseudo_gradient):
                 buffer.copy_(delta)
         timeout = self.cfg.matchmaking_time * 2 + self.cfg.request_timeout * 2 + self.cfg.allreduce_timeout
         control = self.averager.step(
-            gather=dict(samples=samples, outer_step=outer_step, global_sha256=global_sha256, token=token),
+            gather=dict(samples=samples, outer_step=outer_step, global_sha256=global_sha256, token=token, role="peer"),
             weight=float(samples),
             timeout=timeout,
             allow_retries=False,  # a retry after a broken all-reduce would average half-averaged values
@@ -162,11 +197,12 @@ class OuterSync:
             raise RoundFailed("groupmates started from different global states", tensors_touched=True)
         with self.averager.get_tensors() as buffers:
             mean = [b.clone() for b in buffers]
+        peers = {peer_id: meta for peer_id, meta in metadata.items() if meta.role == "peer"}  # assistants hold no mean
         return GroupMean(
             mean=mean,
-            group_size=len(metadata),
-            group_samples=sum(meta.samples for meta in metadata.values()),
-            tokens={peer_id: meta.token for peer_id, meta in metadata.items()},
+            group_size=len(peers),
+            group_samples=sum(meta.samples for meta in peers.values()),
+            tokens={peer_id: meta.token for peer_id, meta in peers.items()},
         )
 
     def _wait(self, control, should_stop: Callable[[], bool], deadline: float):
@@ -188,8 +224,13 @@ class OuterSync:
                 raise RoundFailed(f"no group formed: {e!r}", tensors_touched=False) from e
 
     def set_state_priority(self, priority: float) -> None:
-        """Joiners download from the peer with the highest priority first."""
-        self.averager.state_sharing_priority = priority
+        """Joiners download from the peer with the highest priority first (a client serves no state)."""
+        if not self.client_mode:
+            self.averager.state_sharing_priority = priority
+
+    def share_state(self, allowed: bool) -> None:
+        """Serve this peer's state to joiners, or stop (while it replaces its state); a client never does."""
+        self.averager.allow_state_sharing = allowed and not self.client_mode
 
     def shutdown(self) -> None:
         if self.averager.is_alive():

@@ -25,12 +25,15 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
-from hivemind import DHT
 
 from p2p_diloco import faults
 from p2p_diloco.config import Config
 from p2p_diloco.metrics import MetricsWriter
-from p2p_diloco.swarm.progress import LEFT, LOADING, READY, TRAINING, RoundPlan, SwarmProgress, plan_round
+from p2p_diloco.swarm.node import RunNode
+from p2p_diloco.swarm.progress import (
+    LEFT, LOADING, READY, TRAINING, RoundPlan, SwarmProgress, plan_averaging, plan_round,
+)
+from p2p_diloco.swarm.records import RecordPublisher, assistance_key
 from p2p_diloco.sync.outer_sync import GroupMean, OuterSync, RoundFailed
 from p2p_diloco.sync.state_transfer import StateExpectation, download_global_state, nobody_serves
 from p2p_diloco.train.checkpoint import load_checkpoint, save_checkpoint
@@ -41,6 +44,7 @@ from p2p_diloco.train.outer import GlobalModel
 logger = logging.getLogger(__name__)
 
 ROUND_CHECK_PERIOD_S = 1.0  # how often the inner loop looks whether the swarm is ready to average
+EXCLUDED_AFTER_ROUNDS = 3  # rounds in a row without an outer step after which a peer says it is excluded
 
 
 @dataclass
@@ -66,8 +70,9 @@ class DiLoCoPeer:
 
     `batches_from(position)` yields this peer's training batches from its `position`-th on; the
     peer counts the batches it takes and keeps the count in its checkpoint, so a restarted peer goes
-    on with the data it had not seen. `record_subkey` is the owner marker its DHT records are signed
-    under, and `fingerprint` the run settings it trains with (:func:`p2p_diloco.config.run_fingerprint`).
+    on with the data it had not seen. `node` is its DHT node, with the identity that signs its records
+    and how others reach it; `fingerprint` the run settings it trains with
+    (:func:`p2p_diloco.config.run_fingerprint`).
     """
 
     def __init__(
@@ -75,8 +80,7 @@ class DiLoCoPeer:
         cfg: Config,
         model: torch.nn.Module,
         batches_from: Callable[[int], Iterator[torch.Tensor]],
-        dht: DHT,
-        record_subkey: bytes,
+        node: RunNode,
         fingerprint: str,
         metrics: Optional[MetricsWriter] = None,
         stop_event: Optional[threading.Event] = None,
@@ -89,7 +93,9 @@ class DiLoCoPeer:
         self.inner = InnerTrainer(model, cfg.inner, self._counted_batches(0))
         self.global_model = GlobalModel(self.local_params, cfg.outer)
         self.contribution = Contribution()
-        self.peer_id = dht.peer_id.to_base58()
+        self.peer_id = node.dht.peer_id.to_base58()
+        self.reachability = node.reachability
+        self.rounds_not_applied = 0  # in a row: the peer says it is excluded after EXCLUDED_AFTER_ROUNDS
         self.metrics = metrics or MetricsWriter(None, self.peer_id)
         self.stop_event = stop_event or threading.Event()
         self._state_lock = threading.Lock()  # guards θ_global while a joiner downloads it
@@ -97,9 +103,23 @@ class DiLoCoPeer:
         self.sha256 = self.global_model.sha256()
         self.last_group_size = 1
         self.distrusted_donors: set[str] = set()  # peers that served a malformed state
-        self.progress = SwarmProgress(dht, cfg.run.name, cfg.swarm.progress_ttl, record_subkey, fingerprint)
-        self.sync = OuterSync(dht, cfg.run.name, fingerprint, record_subkey, [p.shape for p in self.local_params],
-                              cfg.swarm, state_provider=self._serve_state)
+        self.progress = SwarmProgress(node.dht, cfg.run.name, cfg.swarm.progress_ttl, node.identity.record_subkey,
+                                      fingerprint, node.reachability.mode)
+        self.assistance = None if node.reachability.can_reduce else self._ask_for_assistance(node, fingerprint)
+        self.sync = OuterSync(node.dht, cfg.run.name, fingerprint, node.identity.record_subkey,
+                              [p.shape for p in self.local_params], cfg.swarm, state_provider=self._serve_state,
+                              client_mode=not node.reachability.can_reduce)
+
+    def _ask_for_assistance(self, node: RunNode, fingerprint: str) -> RecordPublisher:
+        """An unreachable peer asks reachable nodes to reduce for its run (see p2p_diloco.sync.assistant)."""
+        swarm = self.cfg.swarm
+        publisher = RecordPublisher(node.dht, assistance_key(), node.identity.record_subkey, swarm.progress_ttl,
+                                    "assistance request")
+        publisher.publish(dict(run=self.cfg.run.name, fingerprint=fingerprint, time=time.time(),
+                               shapes=[list(p.shape) for p in self.local_params],
+                               matchmaking_time=swarm.matchmaking_time, request_timeout=swarm.request_timeout,
+                               allreduce_timeout=swarm.allreduce_timeout, next_chunk_timeout=swarm.next_chunk_timeout))
+        return publisher
 
     def _counted_batches(self, position: int) -> Iterator[torch.Tensor]:
         """The data stream from `position` on, counting in `data_position` the batches taken."""
@@ -185,18 +205,38 @@ class DiLoCoPeer:
         if any(r.outer_step > step for r in records.values()):
             logger.info("the swarm moved past outer step %d while this peer trained; catching up", step)
             return
-        groupmates = [r for r in records.values() if r.outer_step == step and r.peer_id != self.peer_id]
+        plan = plan_averaging(records, step, self.peer_id, self.reachability.mode)
+        if plan.action == "skip":
+            self._not_applied(step, plan.reason, "round_skipped")
+            return
         pseudo_gradient = self.global_model.pseudo_gradient(self.local_params)
-        if groupmates:
+        if plan.action == "alone":
+            result = GroupMean(pseudo_gradient, 1, samples, {self.peer_id: "alone"})
+        else:
             try:
                 result = self.sync.average(pseudo_gradient, samples, step, self.sha256, stop=self.stop_event)
             except RoundFailed as e:
-                logger.warning("outer step %d: %s; applying nothing this round", step + 1, e)
-                self.metrics.write("round_failed", outer_step=step, reason=str(e))
+                reason = str(e)
+                if plan.needs_assistant:  # what the user can do about it
+                    reason += ("; every peer at this step is unreachable, so only an assistant can reduce for them: "
+                               "a reachable bootstrap node (not started with --no-assist) or a reachable peer")
+                self._not_applied(step, reason, "round_failed")
                 return
-        else:
-            result = GroupMean(pseudo_gradient, 1, samples, {self.peer_id: "alone"})
         self._apply(result)
+
+    def _not_applied(self, step: int, reason: str, event: str) -> None:
+        """A round that ends without an outer step: say why; after a few in a row, say the peer is excluded.
+
+        The inner steps stay in θ_local: the next pseudo-gradient holds them too.
+        """
+        logger.warning("outer step %d: %s; applying nothing this round", step + 1, reason)
+        self.metrics.write(event, outer_step=step, reason=reason)
+        self.rounds_not_applied += 1
+        if self.rounds_not_applied == EXCLUDED_AFTER_ROUNDS:
+            logger.warning("excluded from the swarm's outer steps for %d rounds in a row (last: %s); this peer "
+                           "keeps its inner steps and keeps trying", self.rounds_not_applied, reason)
+            self.metrics.write("excluded", outer_step=step, rounds=self.rounds_not_applied, reason=reason,
+                               reachability=self.reachability.mode)
 
     def _round_is_closing(self, step: int) -> bool:
         """The fastest peer at this step decides when the round ends: once one is ready, all stop.
@@ -211,6 +251,7 @@ class DiLoCoPeer:
 
     def _apply(self, result: GroupMean) -> None:
         contribution, self.contribution = self.contribution, Contribution()
+        self.rounds_not_applied = 0
         with self._state_lock:
             self.global_model.apply(result.mean)
             self.global_model.copy_to(self.local_params)
@@ -242,7 +283,7 @@ class DiLoCoPeer:
     def _load_from_peers(self, plan: RoundPlan) -> bool:
         logger.info("loading global state from peers: %s", plan.reason)
         self.progress.publish(plan.target_step, self.sha256, LOADING)  # peers at that step wait for this one
-        self.sync.averager.allow_state_sharing = False  # nobody should copy a state we are replacing
+        self.sync.share_state(False)  # nobody should copy a state we are replacing
         expected = StateExpectation(tuple(tuple(p.shape) for p in self.local_params), plan.target_step,
                                     plan.target_sha256)
         try:
@@ -251,7 +292,7 @@ class DiLoCoPeer:
                 should_stop=self._stopping,
             )
         finally:
-            self.sync.averager.allow_state_sharing = True
+            self.sync.share_state(True)
         failures = {peer: str(why) for peer, why in failed_donors.items()}
         if state is None:
             if nobody_serves(failed_donors, plan.target_step):
@@ -266,6 +307,7 @@ class DiLoCoPeer:
             self.global_model.copy_to(self.local_params)
             self.inner.fast_forward_schedule(state.inner_steps)
             self.contribution = Contribution()
+            self.rounds_not_applied = 0
             self._after_state_change()
         self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
         self.metrics.write("state_loaded", outer_step=state.outer_step, global_sha256=self.sha256, reason=plan.reason,
@@ -311,5 +353,7 @@ class DiLoCoPeer:
         except Exception as e:  # leaving must not fail because the DHT is already unreachable
             logger.debug("could not publish the leave record: %s", e)
         self.progress.close()
+        if self.assistance is not None:
+            self.assistance.close()
         self.metrics.write("exit", outer_step=self.global_model.outer_step, global_sha256=self.sha256)
         self.sync.shutdown()

@@ -1,0 +1,204 @@
+"""Reducing for a run's unreachable peers: the one thing they cannot do for each other.
+
+A peer that nobody can dial averages as hivemind's client: it dials the reducers and reduces
+nothing. A group made only of such peers has nobody to reduce. A circuit relay cannot carry their
+parts to each other either: hivemind 1.1.12's p2pd caps every relayed connection at 128 KiB and two
+minutes (its daemon restarts the relay service with libp2p's defaults, whatever its relay flags say;
+docs/network.md has the measurement). So a reachable node reduces for them instead: an *assistant*
+is hivemind's auxiliary averager, which takes parts to reduce and sends none of its own. The
+bootstrap node runs assistants by default, and it needs to know no run for that:
+
+* an unreachable peer keeps an :class:`~p2p_diloco.swarm.records.AssistanceRequest` on the key that
+  all runs share (the run, the fingerprint of its settings, the shapes of the averaged tensors, the
+  timeouts);
+* :class:`AssistantPool` reads those requests and runs one :class:`Assistant` per (run, fingerprint),
+  as long as somebody asks and within a budget of parameters (an assistant holds one fp32 copy);
+* an :class:`Assistant` joins the round of an outer step at which every live peer is ready and
+  unreachable (:func:`step_needing_help`). It gathers the agreed state, no samples and the role
+  "assistant": the peers leave it out of the group's size, samples and commit reports (it holds no
+  mean; a reducer that failed shows as a partial round on the peers).
+
+What it costs the node: per outer step it receives every peer's whole pseudo-gradient and sends each
+the averaged one back (2·N·S bytes for N peers and S bytes of parameters), and it sums them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import secrets
+import threading
+from collections import defaultdict
+from math import prod
+from typing import Optional, Sequence
+
+import torch
+from hivemind import DHT
+
+from p2p_diloco.remote_input import parse, warn_once
+from p2p_diloco.swarm.identity import owner_peer_id
+from p2p_diloco.swarm.progress import READY, PeerProgress, agreed_sha256, read_progress
+from p2p_diloco.swarm.reachability import UNREACHABLE
+from p2p_diloco.swarm.records import AssistanceRequest, assistance_key, progress_key
+from p2p_diloco.sync.outer_sync import SwarmAverager, averager_prefix, averager_timeouts, group_bits
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often an assistant reads its run's progress
+REQUESTS_POLL_S = 5.0  # how often the pool reads the assistance requests
+
+
+def step_needing_help(records: Sequence[PeerProgress]) -> Optional[int]:
+    """The latest outer step at which at least two live peers are all ready to average, and all unreachable."""
+    by_step: dict[int, list[PeerProgress]] = defaultdict(list)
+    for record in records:
+        by_step[record.outer_step].append(record)
+    steps = [step for step, peers in by_step.items()
+             if len(peers) >= 2 and all(r.phase == READY and r.reachability == UNREACHABLE for r in peers)]
+    return max(steps, default=None)
+
+
+class RoundsToAssist:
+    """The rounds an assistant joins: each outer step that needs help, once per publication of the
+    peers' "ready" records. The records of a round just reduced (or tried) still say "ready" until
+    their peers publish again; joining another round for them would find no group and hold the
+    assistant for a whole matchmaking timeout. A peer publishes anew (with a new time) for each
+    round it is ready for, a retry included."""
+
+    def __init__(self):
+        self._last: frozenset = frozenset()  # (peer, publication time) of the records of the last round
+
+    def next_round(self, records: Sequence[PeerProgress]) -> Optional[int]:
+        step = step_needing_help(records)
+        if step is None:
+            return None
+        publications = frozenset((r.peer_id, r.time) for r in records if r.outer_step == step)
+        if publications == self._last:
+            return None
+        self._last = publications
+        return step
+
+
+class Assistant:
+    """Reduces for the unreachable peers of one run, in the rounds where nobody of them can."""
+
+    def __init__(self, dht: DHT, request: AssistanceRequest):
+        self.dht = dht
+        self.request = request
+        self.averager = SwarmAverager(
+            [torch.zeros(shape) for shape in request.shapes],
+            dht,
+            start=True,
+            auxiliary=True,
+            prefix=averager_prefix(request.run, request.fingerprint),
+            allow_state_sharing=False,
+            state_provider=lambda: ({}, []),  # it holds no state to serve
+            **averager_timeouts(request),
+        )
+        self._rounds = RoundsToAssist()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._assist_while_needed, name=f"assistant-{request.run}", daemon=True)
+        self._thread.start()
+
+    @property
+    def name(self) -> str:
+        return f"run {self.request.run!r} (settings {self.request.fingerprint[:12]})"
+
+    def _assist_while_needed(self) -> None:
+        key = progress_key(self.request.run)
+        while not self._stop.wait(POLL_S):
+            try:
+                records = read_progress(self.dht, key, self.request.fingerprint)
+            except Exception as e:  # the DHT is shutting down, or a request failed: try again later
+                logger.debug("assistant for %s could not read the progress: %r", self.name, e)
+                continue
+            step = self._rounds.next_round(records)
+            if step is not None:
+                self._reduce_round(step, agreed_sha256({r.peer_id: r for r in records}, step), len(records))
+
+    def _reduce_round(self, outer_step: int, global_sha256: str, peers: int) -> None:
+        self.averager.set_group_bits(group_bits(outer_step))
+        timeout = 2 * self.request.matchmaking_time + 2 * self.request.request_timeout + self.request.allreduce_timeout
+        gather = dict(outer_step=outer_step, global_sha256=global_sha256, samples=0, token=secrets.token_hex(8),
+                      role="assistant")
+        control = self.averager.step(gather=gather, timeout=timeout, allow_retries=False, wait=False)
+        try:
+            control.result(timeout=timeout + self.request.allreduce_timeout)
+            logger.info("%s: reduced outer step %d for %d unreachable peer(s)", self.name, outer_step + 1, peers)
+        except concurrent.futures.TimeoutError:
+            control.cancel()
+            logger.warning("%s: the round of outer step %d did not end in time", self.name, outer_step + 1)
+        except Exception as e:  # no group formed, a sender failed: the peers see it and try again
+            logger.info("%s: no round at outer step %d (%s)", self.name, outer_step + 1, e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        if self.averager.is_alive():
+            self.averager.shutdown()
+
+
+def read_assistance_requests(dht: DHT) -> dict[tuple[str, str], AssistanceRequest]:
+    """The latest well-formed request for each (run, fingerprint), from the peers that signed them."""
+    found = dht.get(assistance_key(), latest=True)
+    requests: dict[tuple[str, str], AssistanceRequest] = {}
+    for subkey, item in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
+        author = owner_peer_id(subkey) if isinstance(subkey, bytes) else None
+        request, problem = parse(AssistanceRequest, getattr(item, "value", None))
+        if author is None or request is None:
+            warn_once(author or "(unsigned)", "a malformed assistance request", problem or "no owner's key")
+            continue
+        key = (request.run, request.fingerprint)
+        if key not in requests or request.time > requests[key].time:
+            requests[key] = request
+    return requests
+
+
+class AssistantPool:
+    """A node's assistants: one per (run, fingerprint) that asks for one, within `max_params` in all."""
+
+    def __init__(self, dht: DHT, max_params: int):
+        self.dht = dht
+        self.max_params = max_params
+        self.assistants: dict[tuple[str, str], Assistant] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow_requests, name="assistant-pool", daemon=True)
+        self._thread.start()
+
+    def _params_in_use(self) -> int:
+        return sum(prod(shape) for a in self.assistants.values() for shape in a.request.shapes)
+
+    def _follow_requests(self) -> None:
+        while not self._stop.wait(REQUESTS_POLL_S):
+            try:
+                requests = read_assistance_requests(self.dht)
+            except Exception as e:  # the DHT is shutting down, or a request failed: try again later
+                logger.debug("could not read the assistance requests: %r", e)
+                continue
+            for key in [k for k in self.assistants if k not in requests]:  # nobody asks any more
+                logger.info("no more assisting %s: no peer asks", self.assistants[key].name)
+                self.assistants.pop(key).close()
+            for key, request in requests.items():
+                if key not in self.assistants:
+                    self._start(key, request)
+
+    def _start(self, key: tuple[str, str], request: AssistanceRequest) -> None:
+        params = sum(prod(shape) for shape in request.shapes)
+        if self._params_in_use() + params > self.max_params:
+            warn_once(f"{request.run}/{request.fingerprint[:12]}", "an assistance request",
+                      f"its {params:,} parameters exceed what is left of --assist-max-params {self.max_params:,}")
+            return
+        try:
+            self.assistants[key] = Assistant(self.dht, request)
+        except Exception as e:  # an averager that cannot start (e.g. out of shared memory): say so, go on
+            logger.warning("could not start an assistant for run %r: %r", request.run, e)
+            return
+        logger.info("assisting %s: its unreachable peers asked for a reducer (%s parameters)",
+                    self.assistants[key].name, f"{params:,}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=REQUESTS_POLL_S + 30)
+        for assistant in self.assistants.values():
+            assistant.close()
+        self.assistants.clear()
