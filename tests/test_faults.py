@@ -88,11 +88,12 @@ def test_kill_while_serving_state(processes, tmp_path):
     # lands mid-transfer, and the joiner must go on to the other donor
     maddr, config, metrics = swarm(processes, tmp_path, 2, {0: "serve_state_delay=2", 1: "serve_state_delay=2"})
     wait_for_steps(metrics, 2)
-    late = start_peer(processes, "late", config, maddr)
     servers = ["peer0", "peer1"]
-    wait_until(lambda: any("pausing mid state transfer" in processes.log(n) for n in servers), 120,
-               "a peer to pause mid state transfer")
-    server = next(n for n in servers if "pausing mid state transfer" in processes.log(n))
+    pauses = lambda name: processes.log(name).count("pausing mid state transfer")  # noqa: E731
+    before = {name: pauses(name) for name in servers}  # the two may have served each other already
+    late = start_peer(processes, "late", config, maddr)
+    wait_until(lambda: any(pauses(n) > before[n] for n in servers), 120, "a peer to pause mid state transfer")
+    server = next(n for n in servers if pauses(n) > before[n])
     processes.kill(proc(processes, server))
     killed, survivor = (metrics[0], metrics[1]) if server == "peer0" else (metrics[1], metrics[0])
     wait_until(lambda: len(outer_steps(late)) >= 2, 240, "two outer steps of the joiner")
