@@ -1,0 +1,420 @@
+"""Codecs for the pseudo-gradient parts that travel in an all-reduce: 1-D float32 CPU tensors.
+
+Each codec turns a part into bytes and back, and states how far the round trip may move a value:
+``|decode(encode(x)) − x| ≤ error_bound(x)``, element by element (the tests check it on the
+tensors a DiLoCo run produces and on the edges of each format). A caller that keeps error feedback
+computes the residual ``x − decode(encode(x))`` itself; nothing here holds state between parts.
+
+============  ==========================================  ===========  =================================
+codec         format                                      bytes/param  bound on |x̂ − x| (derived below)
+============  ==========================================  ===========  =================================
+``none``      float32, little-endian                      4            0
+``fp16``      IEEE half                                   2            2^-11·|x|; |x| below 2^-14
+``bf16``      bfloat16                                    2            2^-8·|x|; |x| below 2^-126
+``int8``      bitsandbytes dynamic 8-bit, 256 per block   1.015625     0.0075·absmax of the block
+``nf4``       bitsandbytes NF4, 64 per block              0.5625       0.1520·absmax of the block
+``fp4-bnb``   bitsandbytes FP4 (E2M1), 64 per block       0.5625       0.1668·absmax of the block
+``fp4-e3m0``  sign, 3-bit exponent, no mantissa, 64/blk   0.5625       max(|x|/3, absmax/128)
+============  ==========================================  ===========  =================================
+
+The block codecs carry one float32 scale (the block's absolute maximum) per block after the codes:
+4/blocksize bytes per parameter of the figures above (1 + 4/256, 0.5 + 4/64). A block codec's
+bound is absmax itself in a block whose absmax is a float32 subnormal, and the fp4-e3m0 bound has
+a margin for float32 rounding (see each class).
+
+**Decode is a pure function of the bytes.** It runs on the CPU, with no randomness and no state,
+from a fixed little-endian layout; the code maps of bitsandbytes are checked against a fingerprint,
+so a bitsandbytes release that changed them fails loudly instead of decoding differently. When the
+reducer of a part encodes the averaged part once and every peer, the reducer included, decodes the
+same bytes, every peer ends with a bit-identical θ_global. Encode need not be reproducible across
+machines (a CPU may flush subnormals when it converts to bf16); the bounds allow for that.
+
+**Nothing received is trusted** (:mod:`p2p_diloco.remote_input`): ``decode`` checks the length of
+the bytes against :meth:`Codec.encoded_size` before it reads them, rejects block scales that are
+negative or not finite, and rejects a result that is not finite (a crafted fp16 NaN, say), each
+with a :class:`ValueError`. ``encode`` rejects a part with NaN or infinite values, and a part that
+the format cannot hold (fp16 above 65504): a pseudo-gradient that large means the run diverged,
+and clamping it would hide that.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+FLOAT32_MIN_NORMAL = 2.0**-126
+FLOAT32_MIN_SUBNORMAL = 2.0**-149
+
+# sha256 of the little-endian float32 code maps of bitsandbytes 0.50: they are part of the wire
+# format, so peers with a bitsandbytes that changed them would decode the same bytes differently.
+_BNB_MAP_SHA256 = {
+    "dynamic": "e732639a65f497b4ad684bb166a4467708255edd5207757de8b8f0c7e1fda89c",
+    "nf4": "8501941daa1b8a90ad1bbfeb632e5101b5dddbc4bb52d6e55abcfd777e60c06a",
+    "fp4": "b830bcf8857895e5676b8e2ce608a60bb8af9b3ce6270073e9de34814196f09c",
+}
+
+
+@dataclass(frozen=True)
+class Codec(ABC):
+    """One way to send a 1-D float32 part; ``encode`` and ``decode`` check their inputs first."""
+
+    name: str
+
+    def encode(self, part: torch.Tensor) -> bytes:
+        """The bytes of `part`: exactly ``encoded_size(part.numel())`` of them."""
+        part = self._checked_part(part)
+        if part.numel() == 0:
+            return b""
+        data = self._encode(part)
+        assert len(data) == self.encoded_size(part.numel()), (self.name, len(data))
+        return data
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        """The float32 part of `numel` values that `data` encodes; ValueError if `data` is malformed."""
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"codec {self.name!r}: numel must be an int >= 0, got {numel!r}")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"codec {self.name!r}: expected bytes, got {type(data).__name__}")
+        data = bytes(data)
+        expected = self.encoded_size(numel)
+        if len(data) != expected:
+            raise ValueError(f"codec {self.name!r}: a part of {numel} values is {expected} bytes, got {len(data)}")
+        if numel == 0:
+            return torch.empty(0, dtype=torch.float32)
+        part = self._decode(data, numel)
+        bad = numel - int(torch.isfinite(part).sum())
+        if bad:
+            raise ValueError(f"codec {self.name!r}: the bytes decode to {bad} non-finite values of {numel}: "
+                             "the part is malformed")
+        return part
+
+    @abstractmethod
+    def encoded_size(self, numel: int) -> int:
+        """The exact number of bytes that ``encode`` produces for a part of `numel` values."""
+
+    @abstractmethod
+    def error_bound(self, part: torch.Tensor) -> torch.Tensor:
+        """float32 tensor like `part`: ``|decode(encode(part)) − part| ≤ error_bound(part)`` element-wise."""
+
+    @abstractmethod
+    def _encode(self, part: torch.Tensor) -> bytes:
+        """`part` is checked: contiguous, 1-D, float32, finite, not empty."""
+
+    @abstractmethod
+    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
+        """`data` has the right length and `numel` > 0; the caller checks that the result is finite."""
+
+    def _checked_part(self, part: Any) -> torch.Tensor:
+        if not isinstance(part, torch.Tensor):
+            raise TypeError(f"codec {self.name!r}: expected a torch.Tensor, got {type(part).__name__}")
+        if part.dtype != torch.float32 or part.dim() != 1 or part.device.type != "cpu":
+            raise ValueError(f"codec {self.name!r}: expected a 1-D float32 CPU tensor, got "
+                             f"{part.dtype} of shape {tuple(part.shape)} on {part.device}")
+        bad = part.numel() - int(torch.isfinite(part).sum())
+        if bad:
+            raise ValueError(f"codec {self.name!r}: the part holds {bad} non-finite values (NaN or inf) of "
+                             f"{part.numel()}; a pseudo-gradient that is not finite is never sent")
+        return part.contiguous()
+
+
+@dataclass(frozen=True)
+class RawFloat32Codec(Codec):
+    """float32 as it is: exact, error bound 0."""
+
+    name: str = "none"
+
+    def encoded_size(self, numel: int) -> int:
+        return 4 * numel
+
+    def error_bound(self, part: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(self._checked_part(part))
+
+    def _encode(self, part: torch.Tensor) -> bytes:
+        return part.numpy().astype("<f4", copy=False).tobytes()
+
+    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
+        return torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
+
+
+@dataclass(frozen=True)
+class TwoByteFloatCodec(Codec):
+    """float32 rounded to nearest (ties to even) in a 16-bit float: fp16 or bf16.
+
+    With p significant bits (fp16: 11, bf16: 8), rounding a value in the normal range moves it by at
+    most half an ulp, ``|x|·2^-p`` (Higham, *Accuracy and Stability of Numerical Algorithms*,
+    Thm. 2.2). Below the smallest normal value (fp16: 2^-14 ≈ 6.1e-5, bf16: 2^-126) a value is
+    rounded to a subnormal, which moves it by at most ``min(|x|, min_normal·2^-p)`` (half the
+    subnormal spacing; fp16: 2^-25), or flushed to zero by a CPU that flushes subnormals, which
+    moves it by ``|x|``. Hence the bound, element-wise::
+
+        |x|·2^-p   if |x| ≥ min_normal,        |x|   otherwise.
+
+    A value above the format's largest finite one (fp16: 65504, bf16: ≈3.39e38) would become inf:
+    the part is rejected instead (a pseudo-gradient that large means the run diverged).
+    """
+
+    dtype: torch.dtype = torch.float16
+    significant_bits: int = 11
+    min_normal: float = 2.0**-14
+
+    def encoded_size(self, numel: int) -> int:
+        return 2 * numel
+
+    def error_bound(self, part: torch.Tensor) -> torch.Tensor:
+        magnitude = self._checked_part(part).abs()
+        return torch.where(magnitude >= self.min_normal, magnitude * 2.0**-self.significant_bits, magnitude)
+
+    def _encode(self, part: torch.Tensor) -> bytes:
+        largest = torch.finfo(self.dtype).max
+        too_large = int((part.abs() > largest).sum())
+        if too_large:
+            raise ValueError(f"codec {self.name!r}: {too_large} values exceed {self.dtype}'s largest finite value "
+                             f"{largest:.6g} (max |x| = {float(part.abs().max()):.3g}); a pseudo-gradient that large "
+                             "means training diverged: lower the learning rate, or use codec 'none'")
+        return part.to(self.dtype).view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+
+    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
+        bits = torch.from_numpy(np.frombuffer(data, dtype="<i2").astype(np.int16))
+        return bits.view(self.dtype).float()  # exact: every fp16 and bf16 value is a float32 value
+
+
+def _block_absmax(part: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """The largest |x| of each block of `blocksize` values (the last block may be shorter): float32."""
+    padded = torch.nn.functional.pad(part.abs(), (0, -part.numel() % blocksize))
+    return padded.view(-1, blocksize).amax(dim=1)
+
+
+def _per_element(block_values: torch.Tensor, blocksize: int, numel: int) -> torch.Tensor:
+    return block_values.repeat_interleave(blocksize)[:numel]
+
+
+def _scales_from_bytes(codec: str, data: bytes) -> torch.Tensor:
+    """The float32 block scales at the end of a part; ValueError unless each is finite and ≥ 0."""
+    scales = torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
+    bad = int((~torch.isfinite(scales) | (scales < 0)).sum())
+    if bad:
+        raise ValueError(f"codec {codec!r}: {bad} block scales of {scales.numel()} are negative or not finite: "
+                         "the part is malformed")
+    return scales
+
+
+def _absmax_bound(part: torch.Tensor, blocksize: int, fraction_of_absmax: float) -> torch.Tensor:
+    """``fraction·absmax`` of each value's block; ``absmax`` where absmax is subnormal (see below).
+
+    bitsandbytes scales a block by ``1/absmax``, which overflows or loses its precision when absmax
+    is below 2^-126. The decoded value is still ``code·absmax`` with ``|code| ≤ 1`` and, for x ≠ 0,
+    with the sign of x (measured with bitsandbytes 0.50 on the CPU), so it is within absmax of x.
+    """
+    absmax = _per_element(_block_absmax(part, blocksize), blocksize, part.numel())
+    return torch.where(absmax >= FLOAT32_MIN_NORMAL, absmax * fraction_of_absmax, absmax)
+
+
+@functools.cache
+def _bnb_functional():
+    import bitsandbytes.functional  # imported on first use: it takes seconds and probes for GPUs
+
+    return bitsandbytes.functional
+
+
+@functools.cache
+def _bnb_map(kind: str) -> torch.Tensor:
+    """bitsandbytes' code map `kind` (dynamic, nf4, fp4), as float32 on the CPU, checked against the wire format."""
+    functional = _bnb_functional()
+    if kind == "dynamic":
+        code = functional.create_dynamic_map(signed=True)
+    else:
+        code = functional.get_4bit_type(kind, device="cpu")
+    code = code.to(device="cpu", dtype=torch.float32).contiguous()
+    digest = hashlib.sha256(code.numpy().astype("<f4").tobytes()).hexdigest()
+    if digest != _BNB_MAP_SHA256[kind]:
+        import bitsandbytes
+
+        raise RuntimeError(f"bitsandbytes {bitsandbytes.__version__} has a different {kind} code map than the one "
+                           "this wire format uses (that of bitsandbytes 0.50): peers would decode the same bytes "
+                           "differently; install bitsandbytes 0.50")
+    return code
+
+
+@dataclass(frozen=True)
+class BlockwiseInt8Codec(Codec):
+    """bitsandbytes' blockwise dynamic 8-bit quantization (Dettmers et al. 2022, arXiv 2110.02861).
+
+    Each block of 256 values is divided by its absolute maximum and each value is mapped to one of
+    the 256 values of the signed dynamic map (``create_dynamic_map(signed=True)``, in [−0.993, 1]).
+    Wire format: ``numel`` code bytes, then one float32 absmax per block; the map is fixed and
+    checked against a fingerprint, not sent.
+
+    Bound: ``0.0075·absmax`` of the value's block. The largest gap between neighbouring map values is
+    0.0140625 (near ±1, where the map is linear), so rounding to nearest moves a value by at most
+    0.00703·absmax; bitsandbytes' CPU kernel (a binary search over the map) measured not quite
+    nearest, by up to 3e-5·absmax next to a midpoint, and its worst measured error is 0.00705·absmax.
+    The bound keeps a 6 % margin over that. For a block whose absmax is subnormal the bound is absmax
+    (:func:`_absmax_bound`). For comparison, absmax/127 = 0.00787·absmax.
+    """
+
+    name: str = "int8"
+    blocksize: int = 256
+    fraction_of_absmax: float = 0.0075
+
+    def encoded_size(self, numel: int) -> int:
+        return numel + 4 * -(-numel // self.blocksize)
+
+    def error_bound(self, part: torch.Tensor) -> torch.Tensor:
+        return _absmax_bound(self._checked_part(part), self.blocksize, self.fraction_of_absmax)
+
+    def _encode(self, part: torch.Tensor) -> bytes:
+        codes, state = _bnb_functional().quantize_blockwise(part, code=_bnb_map("dynamic"), blocksize=self.blocksize)
+        return codes.numpy().tobytes() + state.absmax.float().numpy().astype("<f4", copy=False).tobytes()
+
+    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
+        functional = _bnb_functional()
+        codes = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=numel).copy())
+        absmax = _scales_from_bytes(self.name, data[numel:])
+        state = functional.QuantState(absmax=absmax, code=_bnb_map("dynamic"), blocksize=self.blocksize,
+                                      dtype=torch.float32)
+        return functional.dequantize_blockwise(codes, state).reshape(numel)
+
+
+@dataclass(frozen=True)
+class Bnb4BitCodec(Codec):
+    """bitsandbytes' 4-bit blockwise quantization, NF4 or FP4 (Dettmers et al. 2023, QLoRA, arXiv 2305.14314).
+
+    Each block of 64 values is divided by its absolute maximum and each value is rounded to the
+    nearest of 16 map values (``torch.bucketize`` on the midpoints, in bitsandbytes 0.50 on the CPU).
+    Two codes per byte, the first in the high nibble; then one float32 absmax per block. The map is
+    fixed by the quant type (checked against a fingerprint), so only absmax travels; decode rebuilds
+    bitsandbytes' ``QuantState`` from it, the quant type and ``numel``. Decode ignores the pad
+    code of an odd ``numel``.
+
+    * NF4: the quantiles of a normal distribution. Largest gap 1 − 0.6962 (between −1 and −0.6962),
+      so the bound is ``0.1520·absmax`` (half of it, 0.15190, plus margin).
+    * FP4 of bitsandbytes is **not** the E3M0 of Streaming DiLoCo (:class:`E3M0Codec`): it has two
+      exponent bits, one mantissa bit and a subnormal code, with magnitudes
+      {0, 1/192, 1/6, 1/4, 1/3, 1/2, 2/3, 1}·absmax. Largest gap 1/3 (between 2/3 and 1); the
+      quantizer's midpoints come from a 4-decimal copy of the map (0.6667), which shifts the midpoint
+      by 2e-5, so the bound is ``0.1668·absmax``.
+
+    For a block whose absmax is subnormal the bound is absmax (:func:`_absmax_bound`).
+    """
+
+    name: str = "nf4"
+    quant_type: str = "nf4"
+    blocksize: int = 64
+    fraction_of_absmax: float = 0.1520
+
+    def encoded_size(self, numel: int) -> int:
+        return -(-numel // 2) + 4 * -(-numel // self.blocksize)
+
+    def error_bound(self, part: torch.Tensor) -> torch.Tensor:
+        return _absmax_bound(self._checked_part(part), self.blocksize, self.fraction_of_absmax)
+
+    def _encode(self, part: torch.Tensor) -> bytes:
+        _bnb_map(self.quant_type)  # fails before encoding if bitsandbytes' map is not the wire format's
+        packed, state = _bnb_functional().quantize_4bit(part, blocksize=self.blocksize, quant_type=self.quant_type)
+        return packed.numpy().tobytes() + state.absmax.float().numpy().astype("<f4", copy=False).tobytes()
+
+    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
+        functional = _bnb_functional()
+        packed_bytes = -(-numel // 2)
+        packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=packed_bytes).copy()).view(-1, 1)
+        absmax = _scales_from_bytes(self.name, data[packed_bytes:])
+        # bitsandbytes 0.50 decodes an odd numel with torch.compile, compiling anew for each new size
+        # (seconds of CPU each): decode the pad code too, with its C kernel, and drop it. An odd numel
+        # never ends a block exactly, so the extra value adds no block.
+        even_numel = numel + numel % 2
+        state = functional.QuantState(absmax=absmax, shape=torch.Size([even_numel]), code=_bnb_map(self.quant_type),
+                                      blocksize=self.blocksize, quant_type=self.quant_type, dtype=torch.float32)
+        return functional.dequantize_4bit(packed, state).reshape(even_numel)[:numel]  # the C kernel gives (1, n)
+
+
+# E3M0 magnitudes of codes 0..7, and the midpoints between neighbours (rounding to nearest value)
+_E3M0_MAGNITUDES = [0.0] + [2.0**e for e in range(-6, 1)]
+_E3M0_MIDPOINTS = torch.tensor([2.0**-7] + [3.0 * 2.0**e for e in range(-7, -1)], dtype=torch.float32)
+_E3M0_VALUES = torch.tensor(_E3M0_MAGNITUDES + [-m for m in _E3M0_MAGNITUDES], dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class E3M0Codec(Codec):
+    """FP4 E3M0 as in Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): 1 sign bit,
+    3 exponent bits, no mantissa, with a float32 scale per block of 64 values.
+
+    The paper fixes the bit layout only; the levels, the scale and the rounding here are this
+    project's choice. Code ``s·8 + e`` (s the sign, e in 0..7) stands for ``±scale·m(e)``, with
+    m(0) = 0 and m(e) = 2^(e−7) for e = 1..7: the magnitudes {0, 2^-6, 2^-5, …, 2^-1, 1}, seven powers
+    of two and zero. The scale is the block's absolute maximum, so the largest value is exact. Each
+    value goes to the **nearest** level (not the nearest in the log domain, whose worst relative
+    error is √2 − 1 ≈ 0.41 instead of 1/3); ties go to the smaller magnitude, and zero is always
+    encoded with the sign bit clear (decode reads code 8 as −0). Two codes per byte, the first in
+    the high nibble (an odd ``numel`` pads with code 0, which decode ignores); then one float32
+    scale per block, little-endian.
+
+    Bound. Write r = |x|/scale ∈ [0, 1]. If 2^(k−1) ≤ r ≤ 2^k (k = −5..0), the nearest level is
+    at most min(r − 2^(k−1), 2^k − r) away, largest at the midpoint r = 3·2^(k−2): 2^(k−2) = r/3.
+    If r < 2^-6 the neighbours are 0 and 2^-6, at most 2^-7 away. So, with exact arithmetic,
+    ``|x̂ − x| ≤ max(|x|/3, scale/128)``. In float32, r is rounded by at most 2^-24·r, which can only
+    send a value within that distance of a midpoint to its other neighbour, and ``scale·m(e)`` is
+    exact (a power of two times a float32) unless it falls below 2^-126, where it rounds by at most
+    2^-150. The stated bound is therefore ``max(|x|/3, scale/128)·(1 + 2^-20) + 2^-149``.
+    """
+
+    name: str = "fp4-e3m0"
+    blocksize: int = 64
+
+    def encoded_size(self, numel: int) -> int:
+        return -(-numel // 2) + 4 * -(-numel // self.blocksize)
+
+    def error_bound(self, part: torch.Tensor) -> torch.Tensor:
+        part = self._checked_part(part)
+        scale = _per_element(_block_absmax(part, self.blocksize), self.blocksize, part.numel())
+        return torch.maximum(part.abs() / 3, scale / 128) * (1 + 2.0**-20) + FLOAT32_MIN_SUBNORMAL
+
+    def _encode(self, part: torch.Tensor) -> bytes:
+        scales = _block_absmax(part, self.blocksize)
+        scale = _per_element(scales, self.blocksize, part.numel())
+        ratio = torch.where(scale > 0, part.abs() / scale, torch.zeros_like(part))  # scale 0: the block is all 0
+        exponent_code = torch.bucketize(ratio, _E3M0_MIDPOINTS).to(torch.uint8)  # 0..7, ties to the lower level
+        sign = ((part < 0) & (exponent_code > 0)).to(torch.uint8)
+        codes = torch.nn.functional.pad(sign << 3 | exponent_code, (0, part.numel() % 2))
+        packed = codes[0::2] << 4 | codes[1::2]
+        return packed.numpy().tobytes() + scales.numpy().astype("<f4", copy=False).tobytes()
+
+    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
+        packed_bytes = -(-numel // 2)
+        packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=packed_bytes).copy())
+        scales = _scales_from_bytes(self.name, data[packed_bytes:])
+        codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:numel]
+        return _E3M0_VALUES[codes.long()] * _per_element(scales, self.blocksize, numel)
+
+
+CODECS: dict[str, Codec] = {
+    codec.name: codec
+    for codec in (
+        RawFloat32Codec(),
+        TwoByteFloatCodec(name="fp16", dtype=torch.float16, significant_bits=11, min_normal=2.0**-14),
+        TwoByteFloatCodec(name="bf16", dtype=torch.bfloat16, significant_bits=8, min_normal=FLOAT32_MIN_NORMAL),
+        BlockwiseInt8Codec(),
+        Bnb4BitCodec(name="nf4", quant_type="nf4", fraction_of_absmax=0.1520),
+        Bnb4BitCodec(name="fp4-bnb", quant_type="fp4", fraction_of_absmax=0.1668),
+        E3M0Codec(),
+    )
+}
+
+
+def get_codec(name: str) -> Codec:
+    """The codec called `name`; ValueError naming the valid ones otherwise."""
+    codec = CODECS.get(name)
+    if codec is None:
+        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODECS)}")
+    return codec
+
+
+def bytes_per_parameter(name: str) -> float:
+    """Bytes on the wire per value of a large part, block scales included (see the table above)."""
+    numel = 2**24  # a multiple of every block size: no partial block
+    return get_codec(name).encoded_size(numel) / numel

@@ -1,0 +1,269 @@
+"""The part codecs: round trips within each stated bound, exact sizes, pure decode, malformed bytes rejected."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo.utils
+
+from p2p_diloco.sync.codecs import CODECS, E3M0Codec, bytes_per_parameter, get_codec
+
+NUMEL = 12345  # not a multiple of any block size (256, 64) and odd
+BLOCK_CODECS = ["int8", "nf4", "fp4-bnb", "fp4-e3m0"]
+BNB_CODECS = ["int8", "nf4", "fp4-bnb"]
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def _random_signs(numel: int) -> torch.Tensor:
+    return torch.randint(0, 2, (numel,), generator=_generator()).float() * 2 - 1
+
+
+def _heavy_tailed(numel: int) -> torch.Tensor:
+    """Student-t with 2 degrees of freedom, scaled like a pseudo-gradient: normal / sqrt(chi²₂ / 2)."""
+    g = _generator()
+    normal = torch.randn(numel, generator=g, dtype=torch.float64)
+    chi2 = -2 * torch.log(torch.rand(numel, generator=g, dtype=torch.float64))  # chi² with 2 dof = Exp(1/2)
+    return (1e-3 * normal / torch.sqrt(chi2 / 2)).float()
+
+
+def _tensor(kind: str, codec: str) -> torch.Tensor:
+    g = _generator()
+    if kind == "normal":  # a pseudo-gradient
+        return torch.randn(NUMEL, generator=g) * 1e-3
+    if kind == "heavy_tailed":
+        return _heavy_tailed(NUMEL)
+    if kind == "zeros":
+        return torch.zeros(NUMEL)
+    if kind == "tiny":  # flushed to zero by fp16
+        return _random_signs(NUMEL) * torch.rand(NUMEL, generator=g) * 1e-30
+    if kind == "float32_subnormal":
+        return _random_signs(NUMEL) * torch.rand(NUMEL, generator=g) * 1e-40
+    if kind == "wide":  # 11 decades in every block
+        return _random_signs(NUMEL) * 10 ** (torch.rand(NUMEL, generator=g) * 11 - 12)
+    if kind == "huge":
+        if codec == "fp16":
+            part = (torch.randn(NUMEL, generator=g) * 2e4).clamp(-65504, 65504)
+            part[:2] = torch.tensor([65504.0, -65504.0])
+            return part
+        return torch.randn(NUMEL, generator=g) * 1e37
+    if kind == "length_1":
+        return torch.tensor([3e-4])
+    if kind == "length_2":
+        return torch.tensor([3e-4, -1e-5])
+    raise AssertionError(kind)
+
+
+KINDS = ["normal", "heavy_tailed", "zeros", "tiny", "float32_subnormal", "wide", "huge", "length_1", "length_2"]
+
+
+def _error_over_bound(codec_name: str, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bytes]:
+    codec = get_codec(codec_name)
+    data = codec.encode(part)
+    decoded = codec.decode(data, part.numel())
+    error = (decoded.double() - part.double()).abs()  # exact: the difference of two float32 values
+    return error, codec.error_bound(part).double(), data
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("codec_name", list(CODECS))
+def test_round_trip_stays_within_the_stated_bound(codec_name, kind):
+    codec = get_codec(codec_name)
+    part = _tensor(kind, codec_name)
+    data = codec.encode(part)
+    assert isinstance(data, bytes) and len(data) == codec.encoded_size(part.numel())
+    decoded = codec.decode(data, part.numel())
+    assert decoded.dtype == torch.float32 and decoded.shape == part.shape
+    error = (decoded.double() - part.double()).abs()
+    bound = codec.error_bound(part)
+    assert bound.dtype == torch.float32 and bound.shape == part.shape
+    worst = int(torch.argmax(error - bound.double()))
+    assert bool((error <= bound.double()).all()), (
+        f"{codec_name} on {kind}: x={part[worst].item():.6g} decoded={decoded[worst].item():.6g} "
+        f"error={error[worst].item():.3g} > bound={bound[worst].item():.3g}")
+    # decode is a pure function of the bytes: again, and from a copy
+    assert torch.equal(codec.decode(bytes(bytearray(data)), part.numel()), decoded)
+    assert codec.encode(part) == data
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy_tailed"])
+@pytest.mark.parametrize("codec_name", [name for name in CODECS if name != "none"])
+def test_bound_is_not_loose(codec_name, kind):
+    """On pseudo-gradient-like parts the worst error reaches most of the bound: the bound says something."""
+    error, bound, _ = _error_over_bound(codec_name, _tensor(kind, codec_name))
+    ratio = float((error / bound).max())
+    assert 0.5 < ratio <= 1.0, ratio
+
+
+def test_none_is_exact():
+    part = _tensor("heavy_tailed", "none")
+    part[0] = -0.0
+    decoded = get_codec("none").decode(get_codec("none").encode(part), NUMEL)
+    assert torch.equal(decoded.view(torch.int32), part.view(torch.int32))
+
+
+@pytest.mark.parametrize("codec_name", ["fp16", "bf16"])
+def test_values_beyond_the_format_are_rejected_not_made_infinite(codec_name):
+    largest = torch.finfo(torch.float16 if codec_name == "fp16" else torch.bfloat16).max
+    codec = get_codec(codec_name)
+    codec.encode(torch.tensor([largest, -largest]))  # the largest finite value itself is fine
+    beyond = 70000.0 if codec_name == "fp16" else 3.4e38
+    with pytest.raises(ValueError, match=rf"codec '{codec_name}': 2 values exceed .*diverged"):
+        codec.encode(torch.tensor([1e-3, beyond, -beyond]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("codec_name", list(CODECS))
+def test_non_finite_input_is_rejected_before_encoding(codec_name, bad):
+    part = _tensor("normal", codec_name)
+    part[[3, 700]] = bad
+    with pytest.raises(ValueError, match=rf"codec '{codec_name}': the part holds 2 non-finite values"):
+        get_codec(codec_name).encode(part)
+    with pytest.raises(ValueError, match=rf"codec '{codec_name}'"):
+        get_codec(codec_name).error_bound(part)
+
+
+@pytest.mark.parametrize("codec_name", list(CODECS))
+def test_input_that_is_not_a_1d_float32_cpu_tensor_is_rejected(codec_name):
+    codec = get_codec(codec_name)
+    with pytest.raises(ValueError, match="1-D float32 CPU tensor"):
+        codec.encode(torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="1-D float32 CPU tensor"):
+        codec.encode(torch.zeros(2, 4))
+    with pytest.raises(TypeError):
+        codec.encode([0.0, 1.0])
+    with pytest.raises(TypeError, match="expected bytes"):
+        codec.decode("0000", 1)
+
+
+@pytest.mark.parametrize("codec_name", list(CODECS))
+def test_bytes_of_the_wrong_length_are_rejected(codec_name):
+    codec = get_codec(codec_name)
+    data = codec.encode(_tensor("normal", codec_name))
+    for malformed in (data[:-1], data + b"\0", b"", data[: len(data) // 2]):
+        with pytest.raises(ValueError, match=rf"codec '{codec_name}': a part of {NUMEL} values is {len(data)} bytes"):
+            codec.decode(malformed, NUMEL)
+    with pytest.raises(ValueError, match="is 0 bytes"):
+        codec.decode(data, 0)
+    with pytest.raises(ValueError, match="numel must be an int"):
+        codec.decode(data, -1)
+
+
+@pytest.mark.parametrize("codec_name", list(CODECS))
+def test_empty_part(codec_name):
+    codec = get_codec(codec_name)
+    assert codec.encode(torch.zeros(0)) == b"" and codec.encoded_size(0) == 0
+    assert codec.decode(b"", 0).shape == (0,)
+
+
+@pytest.mark.parametrize(("codec_name", "non_finite"), [
+    ("none", np.array([np.nan, 1.0], dtype="<f4").tobytes()),
+    ("none", np.array([1.0, -np.inf], dtype="<f4").tobytes()),
+    ("fp16", np.array([np.nan, 1.0], dtype="<f2").tobytes()),
+    ("fp16", np.array([1.0, np.inf], dtype="<f2").tobytes()),
+    ("bf16", np.array([0x7FC0, 0x3F80], dtype="<u2").tobytes()),  # bf16 NaN, 1.0
+    ("bf16", np.array([0x3F80, 0xFF80], dtype="<u2").tobytes()),  # 1.0, bf16 -inf
+])
+def test_crafted_non_finite_floats_are_rejected(codec_name, non_finite):
+    with pytest.raises(ValueError, match=rf"codec '{codec_name}': the bytes decode to 1 non-finite values of 2"):
+        get_codec(codec_name).decode(non_finite, 2)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("codec_name", BLOCK_CODECS)
+def test_crafted_block_scales_are_rejected(codec_name, scale):
+    codec = get_codec(codec_name)
+    data = codec.encode(_tensor("normal", codec_name))
+    crafted = data[:-4] + np.array([scale], dtype="<f4").tobytes()  # the last block's scale
+    with pytest.raises(ValueError, match=rf"codec '{codec_name}': 1 block scales of \d+ are negative or not finite"):
+        codec.decode(crafted, NUMEL)
+
+
+@pytest.mark.parametrize("numel", [1, 2, 63, 64, 65, 255, 256, 257, NUMEL])
+@pytest.mark.parametrize("codec_name", BNB_CODECS)
+def test_bitsandbytes_decode_is_the_plain_formula(codec_name, numel):
+    """bitsandbytes' kernels decode exactly to map[code]·absmax: nothing depends on the kernel or the machine."""
+    from p2p_diloco.sync.codecs import _bnb_map
+
+    codec = get_codec(codec_name)
+    data = codec.encode(_tensor("heavy_tailed", codec_name)[:numel])
+    if codec_name == "int8":
+        codes, code_map = torch.from_numpy(np.frombuffer(data, np.uint8, count=numel).copy()), _bnb_map("dynamic")
+        absmax_bytes = data[numel:]
+    else:
+        packed = torch.from_numpy(np.frombuffer(data, np.uint8, count=(numel + 1) // 2).copy())
+        codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:numel]
+        code_map = _bnb_map("nf4" if codec_name == "nf4" else "fp4")
+        absmax_bytes = data[(numel + 1) // 2:]
+    absmax = torch.from_numpy(np.frombuffer(absmax_bytes, "<f4").copy())
+    expected = code_map[codes.long()] * absmax.repeat_interleave(codec.blocksize)[:numel]
+    assert torch.equal(codec.decode(data, numel), expected)
+
+
+def test_odd_lengths_do_not_make_bitsandbytes_compile():
+    """bitsandbytes 0.50 decodes an odd-length 4-bit part with torch.compile, once per new length."""
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    for codec_name in ("nf4", "fp4-bnb"):
+        codec = get_codec(codec_name)
+        for numel in (1, 3, 129, 4097):
+            codec.decode(codec.encode(torch.ones(numel)), numel)
+    assert dict(torch._dynamo.utils.counters["frames"]) == frames
+
+
+def test_e3m0_levels_and_rounding():
+    codec = get_codec("fp4-e3m0")
+    assert isinstance(codec, E3M0Codec) and codec.blocksize == 64
+    levels = [0.0] + [2.0**-k for k in range(6, -1, -1)]  # 0, 2^-6, ..., 1
+    exact = torch.tensor(levels + [-v for v in levels[1:]], dtype=torch.float32) * 3.0
+    assert torch.equal(codec.decode(codec.encode(exact), exact.numel()), exact)
+    # nearest value, ties to the smaller magnitude: midpoints 2^-7, 3·2^-7, ..., 0.75 (times the scale 1)
+    part = torch.tensor([1.0, 0.75, 0.7501, 0.74, 2.0**-7, 2.0**-7 * 1.001, 3 * 2.0**-7, -0.3, 1e-9])
+    expected = torch.tensor([1.0, 0.5, 1.0, 0.5, 0.0, 2.0**-6, 2.0**-6, -0.25, 0.0])
+    assert torch.equal(codec.decode(codec.encode(part), part.numel()), expected)
+    # a zero is encoded with the sign bit clear: -0.0 and tiny negatives give the same bytes as 0.0
+    assert codec.encode(torch.tensor([-0.0, -1e-9, 1.0])) == codec.encode(torch.tensor([0.0, 0.0, 1.0]))
+    # every value decodes to 0 or ±scale·2^-k, k = 0..6
+    part = _tensor("heavy_tailed", "fp4-e3m0")
+    decoded = codec.decode(codec.encode(part), NUMEL)
+    scale = part.abs().view(-1)[: NUMEL // 64 * 64].view(-1, 64).amax(1).repeat_interleave(64)
+    ratio = (decoded[: scale.numel()].abs() / scale).unique()
+    assert set(ratio.tolist()) <= set(levels)
+
+
+def test_bitsandbytes_fp4_is_not_e3m0():
+    part = torch.tensor([1.0, 2 / 3, 0.5, 0.25, 1 / 6])
+    bnb = get_codec("fp4-bnb").decode(get_codec("fp4-bnb").encode(part), 5)
+    e3m0 = get_codec("fp4-e3m0").decode(get_codec("fp4-e3m0").encode(part), 5)
+    assert bnb[1].item() == pytest.approx(2 / 3) and e3m0[1].item() == 0.5  # 2/3 is an E2M1 value, not a power of 2
+
+
+def test_bytes_per_parameter():
+    expected = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1 + 4 / 256,
+                "nf4": 0.5 + 4 / 64, "fp4-bnb": 0.5 + 4 / 64, "fp4-e3m0": 0.5 + 4 / 64}
+    assert set(expected) == set(CODECS)
+    for name, ratio in expected.items():
+        assert bytes_per_parameter(name) == ratio
+    for numel in (1, 2, 63, 64, 65, 256, 257, NUMEL):
+        blocks_64, blocks_256 = -(-numel // 64), -(-numel // 256)
+        assert get_codec("int8").encoded_size(numel) == numel + 4 * blocks_256
+        for name in ("nf4", "fp4-bnb", "fp4-e3m0"):
+            assert get_codec(name).encoded_size(numel) == (numel + 1) // 2 + 4 * blocks_64
+
+
+def test_get_codec():
+    for name, codec in CODECS.items():
+        assert get_codec(name) is codec and codec.name == name
+    valid = "none, fp16, bf16, int8, nf4, fp4-bnb, fp4-e3m0"
+    with pytest.raises(ValueError, match=f"unknown codec 'fp8'; valid codecs: {valid}"):
+        get_codec("fp8")
+
+
+def test_residual_for_error_feedback_is_the_round_trip_error():
+    codec = get_codec("fp4-e3m0")
+    part = _tensor("normal", "fp4-e3m0")
+    residual = part - codec.decode(codec.encode(part), NUMEL)
+    assert bool(torch.isfinite(residual).all())
+    assert 0 < float(residual.abs().max()) <= float(codec.error_bound(part).max())
