@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from p2p_diloco.sync.codecs import CODECS
+
 
 class ConfigError(ValueError):
     """A config value is missing, unknown or out of range; the message is one line for the user."""
@@ -127,6 +129,8 @@ class OuterConfig:
 
     lr: float = positive(0.7)
     momentum: float = in_range(0.9, 0.0, 0.999999)
+    # how the pseudo-gradient's parts travel in the all-reduce (p2p_diloco.sync.codecs; reducers sum in fp32)
+    codec: str = one_of("none", *CODECS)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from tests.conftest import REPO
         ({"inner": {"batch_size": 2.5}}, "inner.batch_size = 2.5 is invalid: must be an integer >= 1"),
         ({"outer": {"momentum": 1.5}}, "outer.momentum = 1.5 is invalid: must be a number in [0.0, 0.999999]"),
         ({"data": {"source": "web"}}, "data.source = 'web' is invalid: must be one of 'pydoc', 'files', 'hub'"),
+        ({"outer": {"codec": "int4"}}, "outer.codec = 'int4' is invalid: must be one of 'none', 'fp16'"),
         ({"run": {"name": "a b"}}, "run.name = 'a b' is invalid"),
         ({"inner": {"lrr": 1}}, "unknown key inner.lrr"),
         ({"innr": {}}, "unknown section [innr]"),
@@ -63,7 +64,8 @@ def test_fingerprint_covers_what_peers_must_share_and_nothing_else():
     base = run_fingerprint(cfg, "tokenizer-a")
     assert run_fingerprint(cfg, "tokenizer-b") != base  # same settings, another tokenizer
     for section, values in [("inner", {"lr": 5e-3}), ("model", {"intermediate_size": 512}),
-                            ("outer", {"momentum": 0.8}), ("run", {"seed": 1}), ("data", {"seq_len": 128})]:
+                            ("outer", {"momentum": 0.8}), ("outer", {"codec": "nf4"}), ("run", {"seed": 1}),
+                            ("data", {"seq_len": 128})]:
         assert run_fingerprint(cfg.replace(**{section: values}), "tokenizer-a") != base, section
     # each peer's own: timeouts, where its files are, how it splits its batch into micro-batches
     assert run_fingerprint(cfg.replace(swarm={"round_wait_timeout": 5.0}), "tokenizer-a") == base

@@ -10,8 +10,9 @@ from tests.swarm_helpers import (
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
 
-def test_three_peers_agree_after_every_outer_step_and_loss_falls(processes, tmp_path):
-    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10})
+@pytest.mark.parametrize("codec", ["none", "fp4-e3m0"])  # with a 4-bit codec too, one θ_global on every peer
+def test_three_peers_agree_after_every_outer_step_and_loss_falls(processes, tmp_path, codec):
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, outer={"codec": codec})
     maddr = start_bootstrap(processes)
     metrics = [start_peer(processes, f"peer{i}", config, maddr, "--max-outer-steps", "6", "--wait-for-peers", "3")
                for i in range(3)]
@@ -34,6 +35,7 @@ def test_three_peers_agree_after_every_outer_step_and_loss_falls(processes, tmp_
         assert sent == sorted(sent) and sent[-1] > sent[-2] > 0, sent
         for field in ("peer_id", "samples", "bytes_received", "time"):
             assert field in records[0]
+        assert records[-1]["codec"] == codec
     losses_at = {step: [r["loss"] for m in metrics for r in outer_steps(m) if r["outer_step"] == step]
                  for step in (1, 6)}
     assert max(losses_at[6]) < min(losses_at[1]) - 0.1, losses_at

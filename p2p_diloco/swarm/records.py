@@ -96,6 +96,7 @@ class AssistanceRequest(StrictModel):
     request_timeout: Seconds
     allreduce_timeout: Seconds
     next_chunk_timeout: Seconds
+    codec: pydantic.constr(strict=True, regex=r"^[a-z0-9-]{1,16}$")  # of the parts (p2p_diloco.sync.codecs)
     time: FiniteFloat
 
 

@@ -40,6 +40,7 @@ from p2p_diloco.swarm.identity import owner_peer_id
 from p2p_diloco.swarm.progress import READY, PeerProgress, agreed_sha256, read_progress
 from p2p_diloco.swarm.reachability import UNREACHABLE
 from p2p_diloco.swarm.records import AssistanceRequest, assistance_key, progress_key
+from p2p_diloco.sync.codecs import CODECS
 from p2p_diloco.sync.outer_sync import SwarmAverager, averager_prefix, averager_timeouts, group_bits
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class Assistant:
             prefix=averager_prefix(request.run, request.fingerprint),
             allow_state_sharing=False,
             state_provider=lambda: ({}, []),  # it holds no state to serve
+            codec=request.codec,
             **averager_timeouts(request),
         )
         self._rounds = RoundsToAssist()
@@ -147,6 +149,9 @@ def read_assistance_requests(dht: DHT) -> dict[tuple[str, str], AssistanceReques
         request, problem = parse(AssistanceRequest, getattr(item, "value", None))
         if author is None or request is None:
             warn_once(author or "(unsigned)", "a malformed assistance request", problem or "no owner's key")
+            continue
+        if request.codec not in CODECS:
+            warn_once(author, "an assistance request", f"unknown codec {request.codec!r}")
             continue
         key = (request.run, request.fingerprint)
         if key not in requests or request.time > requests[key].time:

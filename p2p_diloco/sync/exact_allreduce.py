@@ -19,6 +19,12 @@ matchmaking or timeouts is touched:
   bytes of a last part arrived) and hivemind reads the cut as a normal end of stream. About one
   round in 14 of a 6-peer swarm on loopback was partial that way, with no fault at all.
 
+**Codecs.** Parts travel in the run's codec (:mod:`p2p_diloco.sync.codecs`, ``outer.codec``): each
+sender encodes its parts, the reducer decodes them and sums in fp32, encodes each averaged part
+once, and every peer, the reducer included, decodes those same bytes. Decoding is a pure function
+of the bytes, so the result is identical on every peer with any codec. A reducer's own input part
+never travels and is summed as it is.
+
 A round in which a reducer failed is partial: its parts keep each peer's own input (hivemind only
 logs a warning and reports success). Here that raises :class:`PartialRoundError`, so the caller
 knows the tensors it holds are not the group's mean.
@@ -46,13 +52,14 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import amap_in_executor, anext, as_aiter, attach_event_on_finished, azip
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import anext, as_aiter, attach_event_on_finished, azip
 
 from p2p_diloco import faults
 from p2p_diloco.remote_input import tensor_problem
+from p2p_diloco.sync.codecs import Codec, get_codec
 from p2p_diloco.sync.group_screen import GroupScreen, ScreenedMatchmaking
 
 logger = logging.getLogger(__name__)
@@ -90,6 +97,39 @@ class TrafficCounters:
         return self._received.value
 
 
+class CodecCompression(CompressionBase):
+    """hivemind's hook for the bytes of a part that a sender sends: the run's codec. Only this
+    project's peers read them, with :meth:`Codec.decode` (hivemind's own decoder is never used)."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        part = tensor.detach().reshape(-1).to(torch.float32).contiguous()
+        return runtime_pb2.Tensor(buffer=self.codec.encode(part), size=list(tensor.shape), dtype="float32")
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        numel = 1
+        for dim in serialized_tensor.size:
+            numel *= dim
+        return self.codec.decode(serialized_tensor.buffer, numel).reshape(tuple(serialized_tensor.size))
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self.codec.encoded_size(2**20) / (4 * 2**20)  # hivemind sizes the parts by it
+
+    def __repr__(self):
+        return f"CodecCompression({self.codec.name})"
+
+
+def decode_part(codec: Codec, data: bytes, shape: torch.Size, what: str) -> tuple[Optional[torch.Tensor], Optional[str]]:
+    """(the part, None), or (None, why it is malformed): a stranger's bytes in the run's codec."""
+    try:
+        part = codec.decode(data, shape.numel()).reshape(shape)
+    except ValueError as e:
+        return None, f"{what}: {e}"
+    return part, tensor_problem(part, shape, what)
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose output is the averaged tensor itself, identical on every peer.
 
@@ -97,8 +137,11 @@ class ExactAllReduceRunner(AllReduceRunner):
     """
 
     def __init__(self, *, traffic: "TrafficCounters", sender_weights: dict[PeerID, float], screen: GroupScreen,
-                 fault_pause_s: float = 0.0, fault_send_pause_s: float = 0.0, **kwargs):
-        super().__init__(**kwargs)
+                 codec: Codec, fault_pause_s: float = 0.0, fault_send_pause_s: float = 0.0, **kwargs):
+        kwargs.pop("compression", None)  # hivemind's averager passes its own; the run's codec replaces it
+        super().__init__(compression=CodecCompression(codec), **kwargs)
+        self.codec = codec
+        self._averaged_bytes: dict[int, bytes] = {}  # part index -> the averaged part this reducer sends
         self.fault_send_pause_s = fault_send_pause_s
         self.sender_weights = sender_weights
         self.screen = screen  # a groupmate that sends a malformed part is banned there
@@ -107,15 +150,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         # a failed reducer's parts then keep the local input (not a zero delta): see PartialRoundError
         self.tensor_part_container.return_deltas = False
         self.traffic = traffic
-        register = self.tensor_part_container.register_processed_part
-        my_index = self.ordered_peer_ids.index(self.peer_id)
 
-        def register_and_count(peer_index: int, part_index: int, part: torch.Tensor):
-            if peer_index != my_index:  # an averaged part that a remote reducer sent us
-                traffic.add(received=part.numel() * part.element_size())
-            register(peer_index, part_index, part)
-
-        self.tensor_part_container.register_processed_part = register_and_count
+    async def _encode_averaged(self, part_index: int, averaged_part: torch.Tensor) -> bytes:
+        """The bytes of an averaged part, encoded once: every sender, and this peer, gets the same."""
+        if part_index not in self._averaged_bytes:
+            loop = asyncio.get_event_loop()
+            encoded = await loop.run_in_executor(None, self.codec.encode, averaged_part.reshape(-1))
+            self._averaged_bytes.setdefault(part_index, encoded)
+        return self._averaged_bytes[part_index]
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         first = True
@@ -136,7 +178,9 @@ class ExactAllReduceRunner(AllReduceRunner):
             averaged_part = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, tensor_part, weight=self.sender_weights[peer_id]
             )
-            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+            encoded = await self._encode_averaged(part_index, averaged_part)
+            decoded = self.codec.decode(encoded, averaged_part.numel()).reshape(averaged_part.shape)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
 
     async def _communicate_with_remote_reducer(self, peer_id: PeerID):
         """hivemind's sender loop, except that this sender closes the stream once it holds every part.
@@ -163,9 +207,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                     break
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-                averaged_part = await loop.run_in_executor(None, deserialize_torch_tensor, msg.tensor_part)
+                self.traffic.add(received=len(msg.tensor_part.buffer))
                 expected = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0].shape
-                problem = tensor_problem(averaged_part, expected, f"averaged part {part_index}")
+                averaged_part, problem = await loop.run_in_executor(
+                    None, decode_part, self.codec, msg.tensor_part.buffer, expected, f"averaged part {part_index}")
                 if problem is not None:
                     self.screen.ban(peer_id, "a malformed averaged part", problem)
                     raise AllreduceException(f"{peer_id} sent a malformed averaged part: {problem}")
@@ -208,23 +253,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         loop = asyncio.get_event_loop()
         sender = self.sender_peer_ids[sender_index]
         try:
-            def decode(msg: averaging_pb2.AveragingData):
+            async for msg in stream:
                 self.traffic.add(received=len(msg.tensor_part.buffer))
-                try:
-                    return deserialize_torch_tensor(msg.tensor_part), msg.tensor_part.compression
-                except Exception as e:  # a stranger's bytes: a malformed part, checked below
-                    return e, None
-
-            async for tensor_part, compression in amap_in_executor(
-                decode,
-                stream,
-                max_prefetch=self.tensor_part_container.prefetch,
-            ):
                 if parts_reduced >= self.tensor_part_reducer.num_parts:
-                    problem = "more parts than it was given to send"
+                    tensor_part, problem = None, "more parts than it was given to send"
                 else:
-                    problem = tensor_problem(tensor_part, self.tensor_part_reducer.part_shapes[parts_reduced],
-                                             f"part {parts_reduced}")
+                    tensor_part, problem = await loop.run_in_executor(
+                        None, decode_part, self.codec, msg.tensor_part.buffer,
+                        self.tensor_part_reducer.part_shapes[parts_reduced], f"part {parts_reduced}")
                 if problem is not None:
                     self.screen.ban(sender, "a malformed all-reduce part", problem)
                     self.bad_input = f"{sender} sent a malformed part: {problem}"
@@ -239,9 +275,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if parts_reduced == 1 and self.fault_pause_s:
                     logger.warning("fault injection: pausing mid all-reduce for %.1f s", self.fault_pause_s)
                     await asyncio.sleep(self.fault_pause_s)
-                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged_part, compression)
-                self.traffic.add(sent=len(serialized.buffer))
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                encoded = await self._encode_averaged(parts_reduced - 1, averaged_part)
+                self.traffic.add(sent=len(encoded))
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART,
+                                                  tensor_part=runtime_pb2.Tensor(buffer=encoded, dtype="float32"))
         finally:
             if parts_reduced != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -251,7 +288,8 @@ class ExactMeanAverager(DecentralizedAverager):
     """A DecentralizedAverager whose ``step()`` leaves the same bytes on every peer of the group,
     weighted by the samples each member gathered, among groupmates whose metadata passed the screen."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, codec: str = "none", **kwargs):
+        self.codec = get_codec(codec)  # of the pseudo-gradient parts (outer.codec); the state travels in fp32
         self.traffic = TrafficCounters()  # created before the averager process forks, so both see it
         self.screen = GroupScreen()  # used in the averager process
         self.rounds_started = 0  # counted in the averager process
@@ -284,6 +322,7 @@ class ExactMeanAverager(DecentralizedAverager):
             traffic=self.traffic,
             sender_weights={peer_id: float(meta.samples) for peer_id, meta in metadata.items()},
             screen=self.screen,
+            codec=self.codec,
             fault_pause_s=faults.allreduce_pause_s(self.rounds_started),
             fault_send_pause_s=faults.allreduce_pause_s(self.rounds_started, role="sender"),
             **kwargs,

@@ -107,7 +107,8 @@ def averager_timeouts(settings) -> dict:
 
 
 class OuterSync:
-    """One averager per peer, sized like the model's trainable parameters.
+    """One averager per peer, sized like the model's trainable parameters; the parts of the
+    pseudo-gradient travel in `codec` (:mod:`p2p_diloco.sync.codecs`).
 
     A peer that nobody can dial (`client_mode`) averages as hivemind's client: it sends its parts to
     reducers that it dials, reduces none, never leads a group and serves no state.
@@ -123,6 +124,7 @@ class OuterSync:
         cfg: SwarmConfig,
         state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
         client_mode: bool = False,
+        codec: str = "none",
     ):
         self.cfg = cfg
         self.client_mode = client_mode
@@ -138,6 +140,7 @@ class OuterSync:
             allow_state_sharing=not client_mode,
             declare_state_period=min(30.0, cfg.progress_ttl / 2),
             state_provider=state_provider,
+            codec=codec,
             **averager_timeouts(cfg),
         )
 

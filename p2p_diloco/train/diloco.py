@@ -108,7 +108,7 @@ class DiLoCoPeer:
         self.assistance = None if node.reachability.can_reduce else self._ask_for_assistance(node, fingerprint)
         self.sync = OuterSync(node.dht, cfg.run.name, fingerprint, node.identity.record_subkey,
                               [p.shape for p in self.local_params], cfg.swarm, state_provider=self._serve_state,
-                              client_mode=not node.reachability.can_reduce)
+                              client_mode=not node.reachability.can_reduce, codec=cfg.outer.codec)
 
     def _ask_for_assistance(self, node: RunNode, fingerprint: str) -> RecordPublisher:
         """An unreachable peer asks reachable nodes to reduce for its run (see p2p_diloco.sync.assistant)."""
@@ -118,7 +118,8 @@ class DiLoCoPeer:
         publisher.publish(dict(run=self.cfg.run.name, fingerprint=fingerprint, time=time.time(),
                                shapes=[list(p.shape) for p in self.local_params],
                                matchmaking_time=swarm.matchmaking_time, request_timeout=swarm.request_timeout,
-                               allreduce_timeout=swarm.allreduce_timeout, next_chunk_timeout=swarm.next_chunk_timeout))
+                               allreduce_timeout=swarm.allreduce_timeout, next_chunk_timeout=swarm.next_chunk_timeout,
+                               codec=self.cfg.outer.codec))
         return publisher
 
     def _counted_batches(self, position: int) -> Iterator[torch.Tensor]:
@@ -270,6 +271,7 @@ class DiLoCoPeer:
             global_sha256=self.sha256,
             bytes_sent=traffic.sent,
             bytes_received=traffic.received,
+            codec=self.cfg.outer.codec,
             inner_steps=self.inner.steps_done,
             lr=self.inner.scheduler.get_last_lr()[0],
         )
