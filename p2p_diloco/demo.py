@@ -108,6 +108,13 @@ def evaluate(config_path: Path, checkpoint_dirs: list[Path]) -> tuple[float, Opt
     return initial, evaluate_loss(model, data.heldout)
 
 
+def mean_utilization(steps: list[dict]) -> Optional[float]:
+    """Inner seconds over wall seconds across a peer's outer steps (p2p_diloco.train.utilization)."""
+    inner = sum(r["inner_seconds"] for r in steps)
+    wall = inner + sum(r["blocked_seconds"] for r in steps)
+    return round(inner / wall, 4) if wall > 0 else None
+
+
 def summarize(out_dir: Path, num_peers: int, initial: float, final: Optional[float], wall_s: float) -> dict:
     peers = []
     total_sent = 0
@@ -122,6 +129,7 @@ def summarize(out_dir: Path, num_peers: int, initial: float, final: Optional[flo
             final_outer_step=steps[-1]["outer_step"] if steps else 0,
             final_global_sha256=steps[-1]["global_sha256"] if steps else None,
             final_loss=steps[-1]["loss"] if steps else None,
+            compute_utilization=mean_utilization(steps),
         ))
     return dict(
         peers=peers,

@@ -79,7 +79,8 @@ FAST_TIMEOUTS = {"next_chunk_timeout": 3.0, "round_wait_timeout": 15.0, "progres
 
 def swarm(processes: Processes, tmp_path: Path, n: int, faults_by_peer: dict | None = None, **sections):
     """A bootstrap node and n peers on the tiny config with short timeouts; returns (maddr, config, metrics files)."""
-    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS, **sections)
+    sections["swarm"] = {**FAST_TIMEOUTS, **sections.get("swarm", {})}
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, **sections)
     maddr = start_bootstrap(processes)
     faults_by_peer = faults_by_peer or {}
     metrics = [start_peer(processes, f"peer{i}", config, maddr, faults=faults_by_peer.get(i, "")) for i in range(n)]

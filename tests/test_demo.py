@@ -28,6 +28,7 @@ def test_demo_writes_summary_and_plot(tmp_path):
         assert peer["peer_id"].startswith("Qm")  # an RSA identity: it also signs the peer's DHT records
         assert peer["final_outer_step"] == 3 and peer["outer_steps"] >= 1
         assert peer["final_loss"] is not None
+        assert 0 < peer["compute_utilization"] <= 1
     assert summary["all_final_hashes_equal"]
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert summary["total_bytes_sent"] > 0 and summary["wall_seconds"] > 0

@@ -23,7 +23,10 @@ from tests.swarm_helpers import (
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
 def test_kill_during_inner_steps(processes, tmp_path):
-    _, _, metrics = swarm(processes, tmp_path, 3, {2: "inner_step_delay=0.3"})
+    # records and the wait for groupmates last 10 minutes: only noticing that the dead peer does not
+    # answer on the network lets the survivors go on without it
+    _, _, metrics = swarm(processes, tmp_path, 3, {2: "inner_step_delay=0.3"},
+                          swarm={"round_wait_timeout": 600.0, "progress_ttl": 600.0})
     wait_for_steps(metrics, 2)
     victim_at = last_step(metrics[2])
     victim = proc(processes, "peer2")
@@ -33,6 +36,9 @@ def test_kill_during_inner_steps(processes, tmp_path):
     wait_for_steps(survivors, victim_at + 3)
     assert_consistent(metrics)
     assert outer_steps(survivors[0])[-1]["group_size"] == 2
+    logs = processes.log("peer0") + processes.log("peer1")
+    assert f"not waiting for {peer_id_of(metrics[2])[-8:]} any more" in logs
+    assert "going ahead without groupmates" not in logs  # the timeout never ended a wait
     # nobody stopped the dead peer's DHT and averager processes and p2pd: they notice and exit
     wait_until(lambda: not any(is_running(pid) for pid in orphans), 30, f"the killed peer's children {orphans} to exit")
 

@@ -6,7 +6,7 @@ import pytest
 
 from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.progress import (
-    LOADING, READY, TRAINING, PeerProgress, agreed_sha256, parse_progress, plan_averaging, plan_round,
+    LOADING, READY, TRAINING, PeerProgress, SilentPeers, agreed_sha256, parse_progress, plan_averaging, plan_round,
 )
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
 from p2p_diloco.sync.assistant import RoundsToAssist, step_needing_help
@@ -121,3 +121,12 @@ def test_an_assistant_joins_each_publication_of_ready_records_once():
     retried = [replace(r, time=r.time + 30) for r in ready]  # the peers publish "ready" again: a retry
     assert rounds.next_round(retried) == 4
     assert rounds.next_round([rec_at(p, 5, UNREACHABLE) for p in "ab"]) == 5
+
+
+def test_a_waiting_peer_gives_up_only_on_reachable_peers_that_do_not_answer_twice():
+    silent = SilentPeers(answers=lambda peer: peer == "alive", check_period_s=0.0)  # checks on every call
+    busy = [rec_at("alive", 4, DIRECT, TRAINING), rec_at("dead", 4, DIRECT, TRAINING),
+            rec_at("behind-nat", 4, UNREACHABLE, TRAINING)]
+    assert silent.check(busy) == []  # one miss is not enough
+    assert silent.check(busy) == ["dead"]
+    assert silent.gone == {"dead"}  # an unreachable peer may not answer: it is waited for until the timeout

@@ -36,6 +36,7 @@ def test_three_peers_agree_after_every_outer_step_and_loss_falls(processes, tmp_
         for field in ("peer_id", "samples", "bytes_received", "time"):
             assert field in records[0]
         assert records[-1]["codec"] == codec
+        assert all(0 < r["compute_utilization"] <= 1 and r["inner_seconds"] > 0 for r in records), records
     losses_at = {step: [r["loss"] for m in metrics for r in outer_steps(m) if r["outer_step"] == step]
                  for step in (1, 6)}
     assert max(losses_at[6]) < min(losses_at[1]) - 0.1, losses_at

@@ -24,6 +24,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.swarm.identity import Identity
+from p2p_diloco.swarm.liveness import serve_alive
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE, Reachability, probe, serve_dial_back
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ def start_dht(
     """Start a DHT node (and its p2pd daemon); raise a one-line error if the swarm is unreachable.
 
     A `client_mode` node stores no records for others and answers no DHT requests: for a node that
-    others cannot dial. Every node answers dial-back requests (:func:`serve_dial_back`).
+    others cannot dial. Every node answers dial-back requests (:func:`serve_dial_back`) and liveness
+    requests (:func:`~p2p_diloco.swarm.liveness.serve_alive`).
     """
     with identity.key_file() as key_file:  # p2pd reads it while the node starts
         dht = DHT(
@@ -107,6 +109,7 @@ def start_dht(
                 ) from None
             raise
     serve_dial_back(dht)
+    serve_alive(dht)
     return dht
 
 

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from hivemind import DHT
 
@@ -89,8 +89,10 @@ class SwarmProgress:
     """Reads the run's progress records on the DHT, and keeps this peer's own fresh (:class:`RecordPublisher`)."""
 
     def __init__(self, dht: DHT, run_name: str, ttl: float, record_subkey: bytes, fingerprint: str,
-                 reachability: str = DIRECT):
+                 reachability: str = DIRECT, answers: Optional[Callable[[str], bool]] = None):
         self.dht = dht
+        # whether a peer answers on the network now (p2p_diloco.swarm.liveness); None: never ask
+        self.answers = answers
         self.key = progress_key(run_name)
         self.fingerprint = fingerprint
         self.reachability = reachability
@@ -159,11 +161,16 @@ class SwarmProgress:
         """
         deadline = time.monotonic() + timeout
         announced: set[str] = set()
+        silent = SilentPeers(self.answers)
         while True:
-            records = self.fetch()
+            records = {peer: r for peer, r in self.fetch().items() if peer not in silent.gone}
             busy = {r.peer_id: r.phase for r in records.values()
                     if (r.outer_step == outer_step and r.phase in (TRAINING, LOADING))
                     or (r.outer_step == outer_step - 1 and r.phase == READY and r.peer_id != self.peer_id)}
+            for peer in silent.check([records[p] for p in busy]):
+                logger.warning("outer step %d: not waiting for %s any more: its record says %s, but it does not "
+                               "answer on the network (it left or crashed)", outer_step + 1, peer[-8:], busy[peer])
+                del busy[peer], records[peer]
             if not busy:
                 return records
             if set(busy) - announced:
@@ -176,6 +183,38 @@ class SwarmProgress:
                 return records
             if stop.wait(poll):
                 return records
+
+
+class SilentPeers:
+    """The peers a waiting peer stops waiting for: records that say "training" (or loading, or
+    committing) of a peer that does not answer twice in a row, CHECK_PERIOD_S apart. Only peers that
+    others can dial are asked; an unreachable peer is waited for until the timeout."""
+
+    CHECK_PERIOD_S = 2.0
+    MISSES = 2
+
+    def __init__(self, answers: Optional[Callable[[str], bool]], check_period_s: float = CHECK_PERIOD_S):
+        self.answers = answers
+        self.check_period_s = check_period_s
+        self.gone: set[str] = set()
+        self._misses: dict[str, int] = {}
+        self._next_check = time.monotonic() + check_period_s
+
+    def check(self, busy: Sequence[PeerProgress]) -> list[str]:
+        """The peers among `busy` found gone by this check (none between checks)."""
+        if self.answers is None or time.monotonic() < self._next_check:
+            return []
+        self._next_check = time.monotonic() + self.check_period_s
+        found = []
+        for record in busy:
+            if record.reachability != DIRECT:
+                continue
+            misses = 0 if self.answers(record.peer_id) else self._misses.get(record.peer_id, 0) + 1
+            self._misses[record.peer_id] = misses
+            if misses >= self.MISSES:
+                self.gone.add(record.peer_id)
+                found.append(record.peer_id)
+        return found
 
 
 def describe_peers(phases: dict[str, str]) -> str:

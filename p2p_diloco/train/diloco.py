@@ -18,6 +18,7 @@ sync turns it into the group's mean, train applies it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -29,6 +30,7 @@ import torch
 from p2p_diloco import faults
 from p2p_diloco.config import Config
 from p2p_diloco.metrics import MetricsWriter
+from p2p_diloco.swarm.liveness import answers
 from p2p_diloco.swarm.node import RunNode
 from p2p_diloco.swarm.progress import (
     LEFT, LOADING, READY, TRAINING, RoundPlan, SwarmProgress, plan_averaging, plan_round,
@@ -40,6 +42,7 @@ from p2p_diloco.train.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.train.inner import InnerTrainer
 from p2p_diloco.train.model import trainable_parameters
 from p2p_diloco.train.outer import GlobalModel
+from p2p_diloco.train.utilization import ComputeClock
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +96,7 @@ class DiLoCoPeer:
         self.inner = InnerTrainer(model, cfg.inner, self._counted_batches(0))
         self.global_model = GlobalModel(self.local_params, cfg.outer)
         self.contribution = Contribution()
+        self.clock = ComputeClock()  # inner seconds against wall seconds, per outer_step record
         self.peer_id = node.dht.peer_id.to_base58()
         self.reachability = node.reachability
         self.rounds_not_applied = 0  # in a row: the peer says it is excluded after EXCLUDED_AFTER_ROUNDS
@@ -104,7 +108,7 @@ class DiLoCoPeer:
         self.last_group_size = 1
         self.distrusted_donors: set[str] = set()  # peers that served a malformed state
         self.progress = SwarmProgress(node.dht, cfg.run.name, cfg.swarm.progress_ttl, node.identity.record_subkey,
-                                      fingerprint, node.reachability.mode)
+                                      fingerprint, node.reachability.mode, answers=functools.partial(answers, node.dht))
         self.assistance = None if node.reachability.can_reduce else self._ask_for_assistance(node, fingerprint)
         self.sync = OuterSync(node.dht, cfg.run.name, fingerprint, node.identity.record_subkey,
                               [p.shape for p in self.local_params], cfg.swarm, state_provider=self._serve_state,
@@ -162,6 +166,7 @@ class DiLoCoPeer:
             if wait_for_peers > 1:
                 logger.info("waiting for %d peers before training", wait_for_peers)
                 self.progress.wait_for_peers(wait_for_peers, self.cfg.swarm.start_wait_timeout, self.stop_event)
+            self.clock.reset()  # start-up is not part of any outer step
             while not self._stopping():
                 if max_outer_steps is not None and self.global_model.outer_step >= max_outer_steps:
                     break
@@ -194,8 +199,9 @@ class DiLoCoPeer:
                     logger.info("outer step %d: others are ready; contributing %d inner steps", step + 1,
                                 steps_this_round)
                     break
-            loss, n = self.inner.step()
-            faults.after_inner_step()
+            with self.clock.inner_step():
+                loss, n = self.inner.step()
+                faults.after_inner_step()
             self.contribution.add(loss, n)
             steps_this_round += 1
         samples = self.contribution.samples
@@ -274,6 +280,7 @@ class DiLoCoPeer:
             codec=self.cfg.outer.codec,
             inner_steps=self.inner.steps_done,
             lr=self.inner.scheduler.get_last_lr()[0],
+            **self.clock.lap(),
         )
         logger.info(
             "outer step %d: group of %d, %d samples, loss %.4f, global %s",
