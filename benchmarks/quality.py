@@ -438,14 +438,23 @@ def save_outputs(
 # ----- main ---------------------------------------------------------------------------------------------
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser, out="bench-out")
+    parser.add_argument("--skip-equal-tokens-single", action="store_true",
+                        help="do not train the single worker for M× the steps (saves about 30%% of the run time)")
+    return checked_run_arguments(parser)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, out: str) -> None:
+    """The options of a DiLoCo run that every quality benchmark shares."""
     parser.add_argument("--text", default=DEFAULT_TEXT, help="text file to train and evaluate on")
-    parser.add_argument("--out", default="bench-out", help="directory for results.json and the plot")
+    parser.add_argument("--out", default=out, help="directory for results.json (and plots)")
     parser.add_argument("--outer-steps", type=int, default=14, help="K, DiLoCo outer steps")
     parser.add_argument("--inner-steps", type=int, default=50, help="H, inner steps per outer step")
     parser.add_argument("--peers", type=int, default=4, help="M, DiLoCo peers and data-parallel replicas")
     parser.add_argument("--seed", type=int, default=0, help="run seed: initial weights and data orders")
-    parser.add_argument("--skip-equal-tokens-single", action="store_true",
-                        help="do not train the single worker for M× the steps (saves about 30%% of the run time)")
+
+
+def checked_run_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
     args = parser.parse_args()
     for name in ("outer_steps", "inner_steps"):
         if getattr(args, name) < 1:

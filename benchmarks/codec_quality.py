@@ -1,0 +1,82 @@
+"""Codecs at equal tokens: DiLoCo's held-out loss and bytes on the wire with each codec of outer.codec.
+
+    python benchmarks/codec_quality.py                        # 5 codecs, about 3 minutes each on 2 cores
+    python benchmarks/codec_quality.py --codecs none,nf4 --outer-steps 14 --inner-steps 50 --peers 4
+
+The same setup as benchmarks/quality.py (its DiLoCo run, on the shipped tinyshakespeare), once per
+codec. Every run takes the same inner steps on the same data from the same initial weights, so the
+only difference is how the pseudo-gradients travel (p2p_diloco/sync/codecs.py). The table gives the
+final held-out loss, its gap to fp32 (`none`), the bytes each peer sent and received per parameter
+per outer step (a butterfly all-reduce moves 4·(M−1)/M · bytes_per_parameter of the codec: a peer
+sends and receives (M−1)/M of its Δ and of the mean), and whether every peer held one θ_global
+after every outer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from p2p_diloco.node_runner import setup_logging
+from p2p_diloco.sync.codecs import CODECS, bytes_per_parameter
+from p2p_diloco.train.data import TextData
+from quality import (
+    add_run_arguments, benchmark_config, checked_run_arguments, count_trainable_params, percent_gap, run_diloco,
+)
+
+DEFAULT_CODECS = ("none", "fp16", "int8", "nf4", "fp4-e3m0")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="comma-separated outer.codec values")
+    add_run_arguments(parser, out="bench-out/codecs")
+    args = checked_run_arguments(parser)
+    args.codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    unknown = [c for c in args.codecs if c not in CODECS]
+    if unknown:
+        parser.error(f"unknown codec(s) {', '.join(unknown)}; valid: {', '.join(CODECS)}")
+    if "none" not in args.codecs:
+        args.codecs.insert(0, "none")  # the reference every gap is measured against
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.perf_counter()
+    setup_logging(verbose=False)
+    torch.set_num_threads(1)  # one thread per peer, as benchmarks/quality.py
+    cfg = benchmark_config(args.text, args.seed, args.inner_steps, args.outer_steps * args.inner_steps)
+    data = TextData(cfg.data)
+    num_params = count_trainable_params(cfg, data.vocab_size)
+    rows = []
+    for codec in args.codecs:
+        result = run_diloco(cfg.replace(outer={"codec": codec}), data, args.peers, args.outer_steps)
+        rows.append(dict(codec=codec, final_eval_loss=result.final_eval_loss,
+                         wire_bytes_per_param_per_step=result.bytes_per_peer / num_params / args.outer_steps,
+                         codec_bytes_per_param=bytes_per_parameter(codec), train_seconds=result.train_seconds,
+                         one_global_state=result.details["identical_global_model_every_step"],
+                         full_group_rounds=f"{result.details['rounds_with_full_group']}/"
+                                           f"{result.details['rounds_recorded']}"))
+    reference = rows[0]["final_eval_loss"]
+    print(f"\n{num_params / 1e6:.2f}M-parameter Llama, M = {args.peers}, H = {args.inner_steps}, "
+          f"K = {args.outer_steps}, on {Path(args.text).name}\n")
+    print("| codec | bytes/param (codec) | sent+received per param per outer step | final eval loss | vs fp32 | "
+          "one θ_global every step | rounds in the full group |")
+    print("|---|---:|---:|---:|---:|---|---|")
+    for r in rows:
+        print(f"| {r['codec']} | {r['codec_bytes_per_param']:.4g} | {r['wire_bytes_per_param_per_step']:.3f} | "
+              f"{r['final_eval_loss']:.4f} | {percent_gap(r['final_eval_loss'], reference):+.2f}% | "
+              f"{r['one_global_state']} | {r['full_group_rounds']} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(dict(args=vars(args), num_params=num_params, rows=rows), indent=2))
+    print(f"\nwrote {out / 'results.json'}; benchmark wall time: {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
