@@ -41,7 +41,9 @@ from p2p_diloco.swarm.progress import READY, PeerProgress, agreed_sha256, read_p
 from p2p_diloco.swarm.reachability import UNREACHABLE
 from p2p_diloco.swarm.records import AssistanceRequest, assistance_key, progress_key
 from p2p_diloco.sync.codecs import CODECS
-from p2p_diloco.sync.outer_sync import SwarmAverager, averager_prefix, averager_timeouts, group_bits
+from p2p_diloco.sync.outer_sync import (
+    SwarmAverager, averager_prefix, averager_timeouts, group_bits, round_timeout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +122,7 @@ class Assistant:
 
     def _reduce_round(self, outer_step: int, global_sha256: str, peers: int) -> None:
         self.averager.set_group_bits(group_bits(outer_step))
-        timeout = 2 * self.request.matchmaking_time + 2 * self.request.request_timeout + self.request.allreduce_timeout
+        timeout = round_timeout(self.request)
         gather = dict(outer_step=outer_step, global_sha256=global_sha256, samples=0, token=secrets.token_hex(8),
                       role="assistant")
         control = self.averager.step(gather=gather, timeout=timeout, allow_retries=False, wait=False)

@@ -58,7 +58,6 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import anext, as_aiter, attach_event_on_finished, azip
 
 from p2p_diloco import faults
-from p2p_diloco.remote_input import tensor_problem
 from p2p_diloco.sync.codecs import Codec, get_codec
 from p2p_diloco.sync.group_screen import GroupScreen, ScreenedMatchmaking
 
@@ -109,10 +108,7 @@ class CodecCompression(CompressionBase):
         return runtime_pb2.Tensor(buffer=self.codec.encode(part), size=list(tensor.shape), dtype="float32")
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        numel = 1
-        for dim in serialized_tensor.size:
-            numel *= dim
-        return self.codec.decode(serialized_tensor.buffer, numel).reshape(tuple(serialized_tensor.size))
+        raise NotImplementedError("parts are decoded by the runner, with the codec and the shape it expects")
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return self.codec.encoded_size(2**20) / (4 * 2**20)  # hivemind sizes the parts by it
@@ -123,11 +119,10 @@ class CodecCompression(CompressionBase):
 
 def decode_part(codec: Codec, data: bytes, shape: torch.Size, what: str) -> tuple[Optional[torch.Tensor], Optional[str]]:
     """(the part, None), or (None, why it is malformed): a stranger's bytes in the run's codec."""
-    try:
-        part = codec.decode(data, shape.numel()).reshape(shape)
+    try:  # decode checks the length for `shape` and that every value is finite
+        return codec.decode(data, shape.numel()).reshape(shape), None
     except ValueError as e:
         return None, f"{what}: {e}"
-    return part, tensor_problem(part, shape, what)
 
 
 class ExactAllReduceRunner(AllReduceRunner):

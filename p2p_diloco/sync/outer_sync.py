@@ -106,6 +106,12 @@ def averager_timeouts(settings) -> dict:
     )
 
 
+def round_timeout(settings) -> float:
+    """How long a member gives matchmaking and the all-reduce of one round (the same for every member
+    of a run's groups; `settings` as for :func:`averager_timeouts`)."""
+    return 2 * settings.matchmaking_time + 2 * settings.request_timeout + settings.allreduce_timeout
+
+
 class OuterSync:
     """One averager per peer, sized like the model's trainable parameters; the parts of the
     pseudo-gradient travel in `codec` (:mod:`p2p_diloco.sync.codecs`).
@@ -179,7 +185,7 @@ class OuterSync:
         with self.averager.get_tensors() as buffers:
             for buffer, delta in zip(buffers, pseudo_gradient):
                 buffer.copy_(delta)
-        timeout = self.cfg.matchmaking_time * 2 + self.cfg.request_timeout * 2 + self.cfg.allreduce_timeout
+        timeout = round_timeout(self.cfg)
         control = self.averager.step(
             gather=dict(samples=samples, outer_step=outer_step, global_sha256=global_sha256, token=token, role="peer"),
             weight=float(samples),
