@@ -257,10 +257,15 @@ class TextData:
         self.tokenizer = load_tokenizer(cfg)
         self.vocab_size = len(self.tokenizer)
         self._eos = self.tokenizer.eos_token_id
-        self.heldout = self._stack(self.sequences(heldout_documents(cfg)))
         self.train = None
-        if cfg.source != "hub":
-            self.train = self._stack(self.sequences(training_documents(cfg)))
+        if cfg.source == "hub":
+            self.heldout = self._stack(self.sequences(heldout_documents(cfg)))
+        else:  # one pass over the corpus, split as heldout_documents and training_documents split it
+            heldout_docs, training_docs = [], []
+            for doc in documents(cfg):
+                (heldout_docs if is_holdout(doc, cfg.holdout_fraction) else training_docs).append(doc)
+            self.heldout = self._stack(self.sequences(heldout_docs))
+            self.train = self._stack(self.sequences(training_docs))
             if len(self.train) == 0:
                 raise DataError(
                     f"data: the corpus yields no training sequence of data.seq_len = {cfg.seq_len} tokens; "
