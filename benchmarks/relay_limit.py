@@ -25,6 +25,8 @@ import time
 from functools import partial
 from pathlib import Path
 
+import varint  # multiaddr's own dependency
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -73,15 +75,6 @@ class _BinaryAddr:
         return self.data
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
 async def _dial_through_relay(_dht, node, relay: str, target: str) -> None:
     """Connect to `target` by its circuit address on `relay` (the only way to reach a NATed host)."""
     from hivemind.p2p import PeerID
@@ -89,8 +82,8 @@ async def _dial_through_relay(_dht, node, relay: str, target: str) -> None:
 
     transport, relay_id = relay.split("/p2p/")
     multihash = PeerID.from_base58(relay_id).to_bytes()
-    circuit = (Multiaddr(transport).to_bytes() + _varint(P2P_CODE) + _varint(len(multihash)) + multihash
-               + _varint(CIRCUIT_CODE))
+    circuit = (Multiaddr(transport).to_bytes() + varint.encode(P2P_CODE) + varint.encode(len(multihash)) + multihash
+               + varint.encode(CIRCUIT_CODE))
     await node.p2p._client.connect(PeerID.from_base58(target), [_BinaryAddr(circuit)])
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from p2p_diloco.metrics import read_metrics
+from p2p_diloco.train.utilization import compute_utilization
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def mean_utilization(steps: list[dict]) -> Optional[float]:
     """Inner seconds over wall seconds across a peer's outer steps (p2p_diloco.train.utilization)."""
     inner = sum(r["inner_seconds"] for r in steps)
     wall = inner + sum(r["blocked_seconds"] for r in steps)
-    return round(inner / wall, 4) if wall > 0 else None
+    return compute_utilization(inner, wall) if wall > 0 else None
 
 
 def summarize(out_dir: Path, num_peers: int, initial: float, final: Optional[float], wall_s: float) -> dict:

@@ -69,8 +69,8 @@ def print_maddrs(dht, prefix: str = "") -> None:
         print(f"{prefix}{maddr}", flush=True)
 
 
-def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist: bool = True,
-                  assist_max_params: int = 0) -> int:
+def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist: bool,
+                  assist_max_params: int) -> int:
     setup_logging(verbose)
     from p2p_diloco.process_tree import children_exit_with_this_process
     from p2p_diloco.swarm.identity import Identity, IdentityError

@@ -68,7 +68,6 @@ class Topology:
     def __init__(self):
         self.tag = secrets.token_hex(2)  # namespaces of concurrent or leftover topologies never clash
         self.namespaces: list[str] = []
-        self.hosts: dict[str, Host] = {}
         self._public_count = self._home_count = 0
         self.bridge_ns = self._namespace("br")
         self._ip(self.bridge_ns, "link", "add", "br0", "type", "bridge")
@@ -102,8 +101,7 @@ class Topology:
         namespace = self._namespace(f"p{index}")
         ip, link = f"{PUBLIC_NET}.{index}", f"p{self.tag}{index}"
         self._on_bridge(namespace, "eth0", ip, link)
-        self.hosts[name] = Host(name, namespace, ip, link)
-        return self.hosts[name]
+        return Host(name, namespace, ip, link)
 
     def add_home(self, name: str) -> Host:
         """A host behind its own NAT router: it can dial out, nobody can dial in."""
@@ -122,8 +120,7 @@ class Topology:
         _run(*iptables, "-A", "FORWARD", "-i", "wan", "-o", "lan", "-m", "conntrack", "--ctstate",
              "ESTABLISHED,RELATED", "-j", "ACCEPT")
         _run(*iptables, "-A", "FORWARD", "-i", "wan", "-o", "lan", "-j", "DROP")
-        self.hosts[name] = Host(name, home, f"{lan}.2", link, router)
-        return self.hosts[name]
+        return Host(name, home, f"{lan}.2", link, router)
 
     def limit_rate(self, host: Host, mbit: float) -> None:
         """Shape the host's link (its router's, for a home) to `mbit` Mbit/s in each direction."""

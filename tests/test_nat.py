@@ -13,8 +13,8 @@ import pytest
 from p2p_diloco.metrics import read_metrics
 from tests import netns
 from tests.swarm_helpers import (
-    assert_consistent, last_step, outer_steps, proc, start_bootstrap, start_peer, tiny_config_file, wait_for_steps,
-    wait_until,
+    FAST_TIMEOUTS, assert_consistent, last_step, outer_steps, proc, start_bootstrap, start_peer, tiny_config_file,
+    wait_for_steps, wait_until,
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
@@ -25,7 +25,6 @@ if WHY_NOT and os.environ.get("P2P_DILOCO_REQUIRE_NETNS"):  # .ci/run sets it: C
 if WHY_NOT:
     pytestmark.append(pytest.mark.skip(reason=f"NAT tests need network namespaces: {WHY_NOT}"))
 
-TIMEOUTS = {"next_chunk_timeout": 3.0, "round_wait_timeout": 15.0, "progress_ttl": 12.0}
 
 
 @pytest.fixture
@@ -38,7 +37,7 @@ def topology(processes):
 def start_swarm(processes, tmp_path, topology, public: int, homes: int, steps: int = 0, faults=None):
     """A bootstrap node on the public bridge, `public` public peers, `homes` peers behind NAT, started
     together; returns (maddr, config, {peer name: (host, metrics file)})."""
-    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=TIMEOUTS)
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS)
     maddr = start_bootstrap(processes, topology.add_public("bootstrap"))
     hosts = [topology.add_public(f"public{i}") for i in range(public)] + [
         topology.add_home(f"home{i}") for i in range(homes)]

@@ -15,6 +15,11 @@ from contextlib import contextmanager
 from typing import Iterator
 
 
+def compute_utilization(inner_s: float, wall_s: float) -> float:
+    """Inner seconds over wall seconds (0 for no time at all)."""
+    return round(inner_s / wall_s, 4) if wall_s > 0 else 0.0
+
+
 class ComputeClock:
     """Inner seconds against wall seconds since the last :meth:`lap`."""
 
@@ -37,6 +42,6 @@ class ComputeClock:
         """The metrics since the last lap (or reset), then start counting anew."""
         wall_s = time.perf_counter() - self._since
         lap = dict(inner_seconds=round(self._inner_s, 4), blocked_seconds=round(max(wall_s - self._inner_s, 0.0), 4),
-                   compute_utilization=round(self._inner_s / wall_s, 4) if wall_s > 0 else 0.0)
+                   compute_utilization=compute_utilization(self._inner_s, wall_s))
         self.reset()
         return lap
