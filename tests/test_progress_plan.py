@@ -124,7 +124,7 @@ def test_an_assistant_joins_each_publication_of_ready_records_once():
 
 
 def test_a_waiting_peer_gives_up_only_on_reachable_peers_that_do_not_answer_twice():
-    silent = SilentPeers(answers=lambda peer: peer == "alive", check_period_s=0.0)  # checks on every call
+    silent = SilentPeers(answering=lambda peers: {"alive"} & set(peers), check_period_s=0.0)  # checks on every call
     busy = [rec_at("alive", 4, DIRECT, TRAINING), rec_at("dead", 4, DIRECT, TRAINING),
             rec_at("behind-nat", 4, UNREACHABLE, TRAINING)]
     assert silent.check(busy) == []  # one miss is not enough

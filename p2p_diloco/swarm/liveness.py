@@ -10,45 +10,36 @@ that does not answer twice in a row has left or crashed; a slow live peer answer
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from functools import partial
+from typing import Sequence
 
-from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind import DHT
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2PContext
 
-logger = logging.getLogger(__name__)
+from p2p_diloco.swarm.handlers import ask_many, serve
 
 ALIVE = "p2p_diloco.alive"  # the handler's name on every node
 ANSWER_TIMEOUT_S = 2.0
 
 
-async def _answer(_request: BytesValue, _context: P2PContext) -> BytesValue:
-    return BytesValue()
-
-
-async def _register(_dht: DHT, node: DHTNode) -> None:
-    await node.p2p.add_protobuf_handler(ALIVE, _answer, BytesValue)
+async def _answer(_request: bytes, _context: P2PContext, _node: DHTNode) -> bytes:
+    return b""
 
 
 def serve_alive(dht: DHT) -> None:
     """Answer other nodes' ALIVE requests (in the DHT's own process)."""
-    dht.run_coroutine(_register)
+    serve(dht, ALIVE, _answer)
 
 
-async def _ask(_dht: DHT, node: DHTNode, peer_id: str, timeout: float) -> bool:
-    try:
-        await asyncio.wait_for(
-            node.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), ALIVE, BytesValue(), BytesValue), timeout)
-        return True
-    except Exception as e:  # refused, timed out, no route: the same answer, it is not there
-        logger.debug("no answer from %s: %r", peer_id, e)
-        return False
+async def _ask(_dht: DHT, node: DHTNode, peer_ids: Sequence[str], timeout: float) -> set[str]:
+    replies = await ask_many(node, peer_ids, ALIVE, b"", timeout)
+    return {peer_id for peer_id, reply in replies.items() if reply is not None}
 
 
-def answers(dht: DHT, peer_id: str, timeout: float = ANSWER_TIMEOUT_S) -> bool:
-    """Whether `peer_id` answers within `timeout` s (a peer that nobody can dial may not: ask only
-    peers that others reach)."""
-    return dht.run_coroutine(partial(_ask, peer_id=peer_id, timeout=timeout))
+def answering(dht: DHT, peer_ids: Sequence[str], timeout: float = ANSWER_TIMEOUT_S) -> set[str]:
+    """Those of `peer_ids` that answer within `timeout` s, all asked at once (a peer that nobody can
+    dial may not answer: ask only peers that others reach)."""
+    if not peer_ids:
+        return set()
+    return dht.run_coroutine(partial(_ask, peer_ids=list(peer_ids), timeout=timeout))

@@ -89,10 +89,10 @@ class SwarmProgress:
     """Reads the run's progress records on the DHT, and keeps this peer's own fresh (:class:`RecordPublisher`)."""
 
     def __init__(self, dht: DHT, run_name: str, ttl: float, record_subkey: bytes, fingerprint: str,
-                 reachability: str = DIRECT, answers: Optional[Callable[[str], bool]] = None):
+                 reachability: str = DIRECT, answering: Optional[Callable[[list[str]], set[str]]] = None):
         self.dht = dht
-        # whether a peer answers on the network now (p2p_diloco.swarm.liveness); None: never ask
-        self.answers = answers
+        # which of some peers answer on the network now (p2p_diloco.swarm.liveness); None: never ask
+        self.answering = answering
         self.key = progress_key(run_name)
         self.fingerprint = fingerprint
         self.reachability = reachability
@@ -161,7 +161,7 @@ class SwarmProgress:
         """
         deadline = time.monotonic() + timeout
         announced: set[str] = set()
-        silent = SilentPeers(self.answers)
+        silent = SilentPeers(self.answering)
         while True:
             records = {peer: r for peer, r in self.fetch().items() if peer not in silent.gone}
             busy = {r.peer_id: r.phase for r in records.values()
@@ -193,8 +193,8 @@ class SilentPeers:
     CHECK_PERIOD_S = 2.0
     MISSES = 2
 
-    def __init__(self, answers: Optional[Callable[[str], bool]], check_period_s: float = CHECK_PERIOD_S):
-        self.answers = answers
+    def __init__(self, answering: Optional[Callable[[list[str]], set[str]]], check_period_s: float = CHECK_PERIOD_S):
+        self.answering = answering
         self.check_period_s = check_period_s
         self.gone: set[str] = set()
         self._misses: dict[str, int] = {}
@@ -202,18 +202,18 @@ class SilentPeers:
 
     def check(self, busy: Sequence[PeerProgress]) -> list[str]:
         """The peers among `busy` found gone by this check (none between checks)."""
-        if self.answers is None or time.monotonic() < self._next_check:
+        if self.answering is None or time.monotonic() < self._next_check:
             return []
         self._next_check = time.monotonic() + self.check_period_s
+        asked = [record.peer_id for record in busy if record.reachability == DIRECT]
+        answered = self.answering(asked) if asked else set()
         found = []
-        for record in busy:
-            if record.reachability != DIRECT:
-                continue
-            misses = 0 if self.answers(record.peer_id) else self._misses.get(record.peer_id, 0) + 1
-            self._misses[record.peer_id] = misses
+        for peer_id in asked:
+            misses = 0 if peer_id in answered else self._misses.get(peer_id, 0) + 1
+            self._misses[peer_id] = misses
             if misses >= self.MISSES:
-                self.gone.add(record.peer_id)
-                found.append(record.peer_id)
+                self.gone.add(peer_id)
+                found.append(peer_id)
         return found
 
 

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Optional, Sequence
 
-from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind import DHT
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2PContext
 from hivemind.utils.multiaddr import Multiaddr
+
+from p2p_diloco.swarm.handlers import ask_many, serve
 
 logger = logging.getLogger(__name__)
 
@@ -82,14 +83,14 @@ async def _can_connect(ip: str, port: int) -> bool:
     return True
 
 
-async def _answer_dial_back(request: BytesValue, context: P2PContext, node: DHTNode) -> BytesValue:
+async def _answer_dial_back(request: bytes, context: P2PContext, node: DHTNode) -> bytes:
     """Dial the requester back at the IPs its connections come from, at the ports it asks for."""
     try:
-        ports = json.loads(request.value)["ports"]
+        ports = json.loads(request)["ports"]
         assert isinstance(ports, list) and 0 < len(ports) <= MAX_PORTS
         assert all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in ports)
     except Exception:  # a stranger's request: answer nothing
-        return BytesValue(value=json.dumps({"reached": [], "error": "malformed request"}).encode())
+        return json.dumps({"reached": [], "error": "malformed request"}).encode()
     peers = await node.p2p.list_peers()
     observed = [addr for info in peers if info.peer_id == context.remote_id for addr in info.addrs]
     ips, _ = _ip_and_ports(observed)
@@ -97,34 +98,27 @@ async def _answer_dial_back(request: BytesValue, context: P2PContext, node: DHTN
     reached = await asyncio.gather(*(_can_connect(ip, port) for ip, port in targets))
     answer = {"reached": [f"{ip}:{port}" for (ip, port), ok in zip(targets, reached) if ok],
               "tried": [f"{ip}:{port}" for ip, port in targets]}
-    return BytesValue(value=json.dumps(answer).encode())
-
-
-async def _register_dial_back(_dht: DHT, node: DHTNode) -> None:
-    await node.p2p.add_protobuf_handler(DIAL_BACK, partial(_answer_dial_back, node=node), BytesValue)
+    return json.dumps(answer).encode()
 
 
 def serve_dial_back(dht: DHT) -> None:
     """Answer other nodes' dial-back requests (the handler runs in the DHT's own process)."""
-    dht.run_coroutine(_register_dial_back)
+    serve(dht, DIAL_BACK, _answer_dial_back)
+
+
+def _parse_answer(reply: Optional[bytes]) -> Optional[dict]:
+    try:
+        answer = json.loads(reply) if reply is not None else None
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict) and isinstance(answer.get("reached"), list) else None
 
 
 async def _ask_dial_back(_dht: DHT, node: DHTNode, helpers: Sequence[str], timeout: float) -> dict:
     _, ports = _ip_and_ports(await node.p2p.get_visible_maddrs(latest=True))
-    request = BytesValue(value=json.dumps({"ports": sorted(ports)[:MAX_PORTS]}).encode())
-
-    async def ask(helper: str) -> Optional[dict]:
-        try:
-            reply = await asyncio.wait_for(
-                node.p2p.call_protobuf_handler(PeerID.from_base58(helper), DIAL_BACK, request, BytesValue), timeout)
-            answer = json.loads(reply.value)
-            return answer if isinstance(answer, dict) and isinstance(answer.get("reached"), list) else None
-        except Exception as e:  # no answer: an old version, a node that went away, a broken stream
-            logger.debug("no dial-back answer from %s: %r", helper, e)
-            return None
-
-    answers = await asyncio.gather(*(ask(helper) for helper in helpers))
-    return {"ports": sorted(ports), "answers": dict(zip(helpers, answers))}
+    request = json.dumps({"ports": sorted(ports)[:MAX_PORTS]}).encode()
+    replies = await ask_many(node, helpers, DIAL_BACK, request, timeout)
+    return {"ports": sorted(ports), "answers": {helper: _parse_answer(reply) for helper, reply in replies.items()}}
 
 
 def probe(dht: DHT, helpers: Sequence[str], timeout: float = 2 * DIAL_TIMEOUT_S + 2) -> Optional[Reachability]:

@@ -30,7 +30,7 @@ import torch
 from p2p_diloco import faults
 from p2p_diloco.config import Config
 from p2p_diloco.metrics import MetricsWriter
-from p2p_diloco.swarm.liveness import answers
+from p2p_diloco.swarm.liveness import answering
 from p2p_diloco.swarm.node import RunNode
 from p2p_diloco.swarm.progress import (
     LEFT, LOADING, READY, TRAINING, RoundPlan, SwarmProgress, plan_averaging, plan_round,
@@ -108,7 +108,8 @@ class DiLoCoPeer:
         self.last_group_size = 1
         self.distrusted_donors: set[str] = set()  # peers that served a malformed state
         self.progress = SwarmProgress(node.dht, cfg.run.name, cfg.swarm.progress_ttl, node.identity.record_subkey,
-                                      fingerprint, node.reachability.mode, answers=functools.partial(answers, node.dht))
+                                      fingerprint, node.reachability.mode,
+                                      answering=functools.partial(answering, node.dht))
         self.assistance = None if node.reachability.can_reduce else self._ask_for_assistance(node, fingerprint)
         self.sync = OuterSync(node.dht, cfg.run.name, fingerprint, node.identity.record_subkey,
                               [p.shape for p in self.local_params], cfg.swarm, state_provider=self._serve_state,
