@@ -62,6 +62,10 @@ def one_of(default: str, *choices: str) -> Any:
     return _spec(default, lambda v: v in choices, "one of " + ", ".join(repr(c) for c in choices))
 
 
+def boolean(default: bool) -> Any:
+    return _spec(default, lambda v: isinstance(v, bool), "true or false")
+
+
 def text(default: str, pattern: str = r".*", allowed: str = "a string") -> Any:
     return _spec(default, lambda v: isinstance(v, str) and re.fullmatch(pattern, v) is not None, allowed)
 
@@ -131,6 +135,16 @@ class OuterConfig:
     momentum: float = in_range(0.9, 0.0, 0.999999)
     # how the pseudo-gradient's parts travel in the all-reduce (p2p_diloco.sync.codecs; reducers sum in fp32)
     codec: str = one_of("none", *CODECS)
+    # each peer adds the quantization error of its last sent pseudo-gradient to its next (p2p_diloco.sync.error_feedback)
+    error_feedback: bool = boolean(False)
+    # Streaming DiLoCo (arXiv 2501.18512): the transformer blocks split into this many fragments, one synced
+    # every steps_per_outer / fragments inner steps (p2p_diloco.train.fragments)
+    fragments: int = int_at_least(1, 1)
+    fragment_layout: str = one_of("strided", "strided", "sequential")
+    # inner steps that run while a fragment's all-reduce is in flight; 0 blocks until it is done
+    sync_delay: int = int_at_least(0, 0)
+    # θ_local ← α·θ_local + (1 − α)·θ_global for the synced fragment, once its outer step is applied
+    merge_alpha: float = in_range(0.0, 0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -204,6 +218,22 @@ def _check_llama_sizes(model: ModelConfig, seq_len: int) -> None:
         )
 
 
+def _check_fragments(cfg: Config) -> None:
+    """Streaming DiLoCo's schedule: P fragments, one synced every H/P inner steps, τ < H/P."""
+    outer, steps = cfg.outer, cfg.inner.steps_per_outer
+    if cfg.model.name == "llama" and outer.fragments > cfg.model.num_layers:
+        raise ConfigError(f"config: outer.fragments = {outer.fragments} exceeds model.num_layers = "
+                          f"{cfg.model.num_layers}: each fragment needs at least one transformer block")
+    if steps % outer.fragments != 0:
+        raise ConfigError(f"config: inner.steps_per_outer = {steps} must be a multiple of outer.fragments = "
+                          f"{outer.fragments} (one fragment syncs every steps_per_outer / fragments inner steps)")
+    if outer.sync_delay >= steps // outer.fragments:
+        raise ConfigError(f"config: outer.sync_delay = {outer.sync_delay} must be smaller than inner.steps_per_outer "
+                          f"/ outer.fragments = {steps // outer.fragments}: one fragment is in flight at a time")
+    if outer.error_feedback and outer.codec == "none":
+        raise ConfigError("config: outer.error_feedback = true needs a lossy outer.codec; 'none' has no error to feed back")
+
+
 def _check_consistency(cfg: Config) -> None:
     """Rules that involve more than one key."""
     if cfg.model.name == "llama":
@@ -222,6 +252,7 @@ def _check_consistency(cfg: Config) -> None:
             f"config: inner.steps_per_outer = {cfg.inner.steps_per_outer} exceeds inner.total_steps = "
             f"{cfg.inner.total_steps}: the lr schedule would end inside the first outer step"
         )
+    _check_fragments(cfg)
     if cfg.swarm.request_timeout >= cfg.swarm.matchmaking_time:
         # hivemind: request_timeout must be smaller than min_matchmaking_time to avoid deadlocks
         raise ConfigError(

@@ -134,6 +134,7 @@ def _prepare_training(cfg, peer_id: str, device):
     """
     from p2p_diloco.config import run_fingerprint
     from p2p_diloco.train.data import TextData, order_seed, tokenizer_sha256
+    from p2p_diloco.train.fragments import model_fragments
     from p2p_diloco.train.model import build_model
 
     data = TextData(cfg.data)
@@ -144,6 +145,7 @@ def _prepare_training(cfg, peer_id: str, device):
         return first_stream.pop(position, None) or data.peer_batches(cfg.inner.batch_size, seed, position)
 
     model = build_model(cfg.model, data.vocab_size, cfg.run.seed, cfg.data.seq_len).to(device)
+    model_fragments(model, cfg.outer)  # a hub model with fewer blocks than outer.fragments stops here
     return model, run_fingerprint(cfg, tokenizer_sha256(data.tokenizer)), batches_from
 
 

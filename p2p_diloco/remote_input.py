@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 MAX_OUTER_STEP = 2**31 - 1  # one outer step a second for 68 years
 MAX_COUNT = 2**48  # samples and inner steps
+MAX_TENSORS = 4096  # averaged tensors of a model (and so its fragments)
 
 OuterStep = pydantic.conint(strict=True, ge=0, le=MAX_OUTER_STEP)
 Count = pydantic.conint(strict=True, ge=0, le=MAX_COUNT)

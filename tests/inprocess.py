@@ -7,11 +7,12 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from p2p_diloco.config import Config, run_fingerprint
 from p2p_diloco.swarm.node import start_run_node, visible_maddrs
 from p2p_diloco.train.diloco import DiLoCoPeer
-from p2p_diloco.train.model import build_model
+from p2p_diloco.train.model import build_model, trainable_parameters
 
 
 @contextmanager
@@ -72,3 +73,27 @@ def fixed_batches(num_peers: int, num_batches: int, batch_size: int, seq_len: in
 
 def params_of(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().clone() for t in tensors]
+
+
+class OracleWorker:
+    """One DiLoCo worker of the plain-torch oracles: a model, its AdamW and lr schedule, its batches."""
+
+    def __init__(self, cfg: Config, vocab_size: int, batches: list[torch.Tensor]):
+        inner = cfg.inner
+        self.model = build_model(cfg.model, vocab_size, cfg.run.seed)
+        self.params = trainable_parameters(self.model)
+        self.optimizer = torch.optim.AdamW(self.params, lr=inner.lr, betas=(inner.beta1, inner.beta2),
+                                           weight_decay=inner.weight_decay)
+        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            self.optimizer, inner.warmup_steps, inner.total_steps, min_lr_rate=inner.min_lr_ratio)
+        self.batches = iter(batches)
+        self.grad_clip = inner.grad_clip
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            batch = next(self.batches)
+            self.model(input_ids=batch, labels=batch).loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad()

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from p2p_diloco.train.model import build_model, trainable_parameters
 from tests.conftest import tiny_config
-from tests.inprocess import fixed_batches, inprocess_peers, run_in_threads
+from tests.inprocess import OracleWorker, fixed_batches, inprocess_peers, run_in_threads
 
 VOCAB = 300
 pytestmark = pytest.mark.timeout(300)
@@ -17,28 +16,15 @@ def oracle_diloco(cfg, batch_lists, outer_steps):
     inner = cfg.inner
     theta = [p.detach().clone().float() for p in trainable_parameters(build_model(cfg.model, VOCAB, cfg.run.seed))]
     outer_opt = torch.optim.SGD(theta, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True)
-    workers = []
-    for batches in batch_lists:
-        model = build_model(cfg.model, VOCAB, cfg.run.seed)
-        params = trainable_parameters(model)
-        opt = torch.optim.AdamW(params, lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay)
-        sched = get_cosine_with_min_lr_schedule_with_warmup(opt, inner.warmup_steps, inner.total_steps,
-                                                             min_lr_rate=inner.min_lr_ratio)
-        workers.append((model, params, opt, sched, iter(batches)))
+    workers = [OracleWorker(cfg, VOCAB, batches) for batches in batch_lists]
     for _ in range(outer_steps):
         deltas, weights = [], []
-        for model, params, opt, sched, batches in workers:
+        for worker in workers:
             with torch.no_grad():
-                for p, g in zip(params, theta):
+                for p, g in zip(worker.params, theta):
                     p.copy_(g)
-            for _ in range(inner.steps_per_outer):
-                batch = next(batches)
-                model(input_ids=batch, labels=batch).loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, inner.grad_clip)
-                opt.step()
-                sched.step()
-                opt.zero_grad()
-            deltas.append([g.double() - p.detach().double() for g, p in zip(theta, params)])
+            worker.train(inner.steps_per_outer)
+            deltas.append([g.double() - p.detach().double() for g, p in zip(theta, worker.params)])
             weights.append(inner.steps_per_outer * inner.batch_size)
         for i, g in enumerate(theta):
             g.grad = (sum(w * d[i] for w, d in zip(weights, deltas)) / sum(weights)).float()
@@ -71,18 +57,9 @@ def test_one_peer_with_outer_lr_one_and_no_momentum_is_plain_adamw():
     outer_steps = 3
     (batches,) = fixed_batches(1, outer_steps * cfg.inner.steps_per_outer, cfg.inner.batch_size,
                                cfg.data.seq_len, VOCAB, seed=1)
-    model = build_model(cfg.model, VOCAB, cfg.run.seed)
-    params = trainable_parameters(model)
-    inner = cfg.inner
-    opt = torch.optim.AdamW(params, lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay)
-    sched = get_cosine_with_min_lr_schedule_with_warmup(opt, inner.warmup_steps, inner.total_steps,
-                                                         min_lr_rate=inner.min_lr_ratio)
-    for batch in batches:
-        model(input_ids=batch, labels=batch).loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, inner.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+    worker = OracleWorker(cfg, VOCAB, batches)
+    worker.train(len(batches))
+    params = worker.params
     with inprocess_peers(cfg, VOCAB, [batches]) as (peer,):
         run_in_threads([peer], outer_steps)
         assert peer.last_group_size == 1

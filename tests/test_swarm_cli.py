@@ -10,9 +10,12 @@ from tests.swarm_helpers import (
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
 
-@pytest.mark.parametrize("codec", ["none", "fp4-e3m0"])  # with a 4-bit codec too, one θ_global on every peer
-def test_three_peers_agree_after_every_outer_step_and_loss_falls(processes, tmp_path, codec):
-    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, outer={"codec": codec})
+# DiLoCo in fp32; and Streaming DiLoCo (2 fragments, the sync overlapped with 2 inner steps) with a
+# 4-bit codec and error feedback: one θ_global on every peer either way
+@pytest.mark.parametrize("outer", [{"codec": "none"}, {"codec": "fp4-e3m0", "error_feedback": True, "fragments": 2,
+                                                       "sync_delay": 2, "merge_alpha": 0.5}], ids=["dense", "streaming"])
+def test_three_peers_agree_after_every_outer_step_and_loss_falls(processes, tmp_path, outer):
+    config = tiny_config_file(tmp_path, model={"num_layers": 2}, inner={"steps_per_outer": 10}, outer=outer)
     maddr = start_bootstrap(processes)
     metrics = [start_peer(processes, f"peer{i}", config, maddr, "--max-outer-steps", "6", "--wait-for-peers", "3")
                for i in range(3)]
@@ -35,7 +38,8 @@ def test_three_peers_agree_after_every_outer_step_and_loss_falls(processes, tmp_
         assert sent == sorted(sent) and sent[-1] > sent[-2] > 0, sent
         for field in ("peer_id", "samples", "bytes_received", "time"):
             assert field in records[0]
-        assert records[-1]["codec"] == codec
+        assert records[-1]["codec"] == outer["codec"]
+        assert [r["fragment"] for r in records] == [(r["outer_step"] - 1) % outer.get("fragments", 1) for r in records]
         assert all(0 < r["compute_utilization"] <= 1 and r["inner_seconds"] > 0 for r in records), records
     losses_at = {step: [r["loss"] for m in metrics for r in outer_steps(m) if r["outer_step"] == step]
                  for step in (1, 6)}

@@ -35,7 +35,7 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco.remote_input import Count, FiniteFloat, OuterStep, Sha256Hex, StrictModel, Token, warn_once
+from p2p_diloco.remote_input import MAX_TENSORS, Count, FiniteFloat, OuterStep, Sha256Hex, StrictModel, Token, warn_once
 from p2p_diloco.swarm.identity import Identity, owner_peer_id
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,6 @@ class RunRecords(pydantic.BaseModel):
         extra = pydantic.Extra.forbid
 
 
-MAX_TENSORS = 4096
 Shape = pydantic.conlist(pydantic.conint(strict=True, ge=1, le=2**31), max_items=8)
 Seconds = pydantic.confloat(strict=True, gt=0, le=86400, allow_inf_nan=False)
 
@@ -97,7 +96,23 @@ class AssistanceRequest(StrictModel):
     allreduce_timeout: Seconds
     next_chunk_timeout: Seconds
     codec: pydantic.constr(strict=True, regex=r"^[a-z0-9-]{1,16}$")  # of the parts (p2p_diloco.sync.codecs)
+    # indices into `shapes` of each Streaming DiLoCo fragment (p2p_diloco.train.fragments); None: one of all
+    fragments: Optional[pydantic.conlist(pydantic.conlist(pydantic.conint(strict=True, ge=0, lt=MAX_TENSORS),
+                                                           min_items=1, max_items=MAX_TENSORS),
+                                         min_items=1, max_items=MAX_TENSORS)] = None
     time: FiniteFloat
+
+    @property
+    def fragment_indices(self) -> list[list[int]]:
+        return self.fragments or [list(range(len(self.shapes)))]
+
+    @pydantic.validator("fragments")
+    def _a_partition_of_the_shapes(cls, fragments, values):
+        shapes = values.get("shapes")
+        if fragments is not None and shapes is not None:
+            if sorted(i for fragment in fragments for i in fragment) != list(range(len(shapes))):
+                raise ValueError("the fragments must hold each averaged tensor exactly once")
+        return fragments
 
 
 class SharedRecords(pydantic.BaseModel):

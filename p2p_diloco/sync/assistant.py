@@ -44,6 +44,7 @@ from p2p_diloco.sync.codecs import CODECS
 from p2p_diloco.sync.outer_sync import (
     SwarmAverager, averager_prefix, averager_timeouts, group_bits, round_timeout,
 )
+from p2p_diloco.train.fragments import fragment_at
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class Assistant:
             allow_state_sharing=False,
             state_provider=lambda: ({}, []),  # it holds no state to serve
             codec=request.codec,
+            fragments=request.fragment_indices,
             **averager_timeouts(request),
         )
         self._rounds = RoundsToAssist()
@@ -124,7 +126,7 @@ class Assistant:
         self.averager.set_group_bits(group_bits(outer_step))
         timeout = round_timeout(self.request)
         gather = dict(outer_step=outer_step, global_sha256=global_sha256, samples=0, token=secrets.token_hex(8),
-                      role="assistant")
+                      role="assistant", fragment=fragment_at(outer_step, len(self.request.fragment_indices)))
         control = self.averager.step(gather=gather, timeout=timeout, allow_retries=False, wait=False)
         try:
             control.result(timeout=timeout + self.request.allreduce_timeout)

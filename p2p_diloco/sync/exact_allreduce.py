@@ -59,7 +59,7 @@ from hivemind.utils.asyncio import anext, as_aiter, attach_event_on_finished, az
 
 from p2p_diloco import faults
 from p2p_diloco.sync.codecs import Codec, get_codec
-from p2p_diloco.sync.group_screen import GroupScreen, ScreenedMatchmaking
+from p2p_diloco.sync.group_screen import GroupScreen, MalformedGroupData, ScreenedMatchmaking
 
 logger = logging.getLogger(__name__)
 
@@ -283,12 +283,15 @@ class ExactMeanAverager(DecentralizedAverager):
     """A DecentralizedAverager whose ``step()`` leaves the same bytes on every peer of the group,
     weighted by the samples each member gathered, among groupmates whose metadata passed the screen."""
 
-    def __init__(self, *args, codec: str = "none", **kwargs):
+    def __init__(self, tensors: Sequence[torch.Tensor], *args, codec: str = "none",
+                 fragments: Optional[list[list[int]]] = None, **kwargs):
+        # a round averages one fragment of the tensors (Streaming DiLoCo): the one its members gathered
+        self.fragments = fragments or [list(range(len(tensors)))]
         self.codec = get_codec(codec)  # of the pseudo-gradient parts (outer.codec); the state travels in fp32
         self.traffic = TrafficCounters()  # created before the averager process forks, so both see it
         self.screen = GroupScreen()  # used in the averager process
         self.rounds_started = 0  # counted in the averager process
-        super().__init__(*args, **kwargs)
+        super().__init__(tensors, *args, **kwargs)
 
     def _run_internal(self):
         # This runs in the averager's own process, where hivemind builds its Matchmaking by name:
@@ -306,6 +309,13 @@ class ExactMeanAverager(DecentralizedAverager):
         except Exception as e:  # no tensor moves in this group; senders that reach us get the error at once
             self._running_groups[group_id].set_exception(e)
             raise
+        fragment = metadata[self.peer_id].fragment
+        if {meta.fragment for meta in metadata.values()} != {fragment} or fragment >= len(self.fragments):
+            error = MalformedGroupData(f"groupmates gathered fragments {sorted({m.fragment for m in metadata.values()})}, "
+                                       f"this peer fragment {fragment} of {len(self.fragments)}")
+            self._running_groups[group_id].set_exception(error)
+            raise error
+        tensors = [tensors[i] for i in self.fragments[fragment]]
         self.rounds_started += 1
         runner = ExactAllReduceRunner(
             p2p=self._p2p,

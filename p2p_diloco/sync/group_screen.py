@@ -27,7 +27,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
 
 from p2p_diloco.remote_input import (
-    MAX_COUNT, OuterStep, Sha256Hex, StrictModel, Token, parse, warn_once,
+    MAX_COUNT, MAX_TENSORS, OuterStep, Sha256Hex, StrictModel, Token, parse, warn_once,
 )
 
 
@@ -39,6 +39,7 @@ class GroupMetadata(StrictModel):
     samples: pydantic.conint(strict=True, ge=0, le=MAX_COUNT)  # its weight in the mean (an assistant has none)
     token: Token
     role: Literal["peer", "assistant"]  # an assistant reduces for the others and sends nothing (sync/assistant.py)
+    fragment: pydantic.conint(strict=True, ge=0, le=MAX_TENSORS) = 0  # which Streaming DiLoCo fragment is averaged
 
 
 class HivemindEnvelope(StrictModel):

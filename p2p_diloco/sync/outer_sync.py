@@ -32,6 +32,7 @@ from p2p_diloco.config import SwarmConfig
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.remote_input import parse
 from p2p_diloco.sync.commit import RoundReports
+from p2p_diloco.sync.error_feedback import ErrorFeedback
 from p2p_diloco.sync.exact_allreduce import ExactMeanAverager
 from p2p_diloco.sync.group_screen import GroupMetadata
 from p2p_diloco.sync.state_transfer import StateSharing
@@ -131,8 +132,11 @@ class OuterSync:
         state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
         client_mode: bool = False,
         codec: str = "none",
+        fragments: Optional[list[list[int]]] = None,
+        error_feedback: bool = False,
     ):
         self.cfg = cfg
+        self.fragments = fragments or [list(range(len(shapes)))]
         self.client_mode = client_mode
         self.peer_id = dht.peer_id.to_base58()
         self.reports = RoundReports(dht, run_name, ttl=cfg.progress_ttl, record_subkey=record_subkey)
@@ -147,8 +151,10 @@ class OuterSync:
             declare_state_period=min(30.0, cfg.progress_ttl / 2),
             state_provider=state_provider,
             codec=codec,
+            fragments=self.fragments,
             **averager_timeouts(cfg),
         )
+        self.error_feedback = ErrorFeedback(self.averager.codec, shapes) if error_feedback else None
 
     def average(
         self,
@@ -156,17 +162,22 @@ class OuterSync:
         samples: int,
         outer_step: int,
         global_sha256: str,
+        fragment: int = 0,
         stop: Optional[threading.Event] = None,
     ) -> GroupMean:
-        """Average with the peers at this outer step that hold the same θ_global (`global_sha256`).
+        """Average `fragment` of the pseudo-gradient (its tensors, in order) with the peers at this outer
+        step that hold the same θ_global (`global_sha256`).
 
         Returns only a mean that every groupmate holds too (see p2p_diloco.sync.commit); raises
         RoundFailed otherwise, and then this peer must apply nothing.
         """
         stop = stop or threading.Event()
         token = secrets.token_hex(8)  # names this attempt in the group's round reports
+        indices = self.fragments[fragment]
+        if self.error_feedback is not None:
+            pseudo_gradient, residual = self.error_feedback.compensate(indices, pseudo_gradient)
         try:
-            result = self._all_reduce(pseudo_gradient, samples, outer_step, global_sha256, token, stop)
+            result = self._all_reduce(pseudo_gradient, samples, outer_step, global_sha256, fragment, token, stop)
         except RoundFailed:
             self.reports.publish(outer_step, token, complete=False, mean_sha256=None)
             raise
@@ -176,18 +187,23 @@ class OuterSync:
         void = self.reports.agree(outer_step, groupmates, mean_sha256, self.cfg.commit_timeout, stop)
         if void is not None:
             raise RoundFailed(f"round void: {void}", tensors_touched=True)
+        if self.error_feedback is not None:
+            self.error_feedback.commit(indices, residual)
         return result
 
     def _all_reduce(
-        self, pseudo_gradient, samples: int, outer_step: int, global_sha256: str, token: str, stop: threading.Event
+        self, pseudo_gradient, samples: int, outer_step: int, global_sha256: str, fragment: int, token: str,
+        stop: threading.Event,
     ) -> GroupMean:
         self.averager.set_group_bits(group_bits(outer_step))
+        indices = self.fragments[fragment]
         with self.averager.get_tensors() as buffers:
-            for buffer, delta in zip(buffers, pseudo_gradient):
-                buffer.copy_(delta)
+            for i, delta in zip(indices, pseudo_gradient):
+                buffers[i].copy_(delta)
         timeout = round_timeout(self.cfg)
         control = self.averager.step(
-            gather=dict(samples=samples, outer_step=outer_step, global_sha256=global_sha256, token=token, role="peer"),
+            gather=dict(samples=samples, outer_step=outer_step, global_sha256=global_sha256, token=token, role="peer",
+                        fragment=fragment),
             weight=float(samples),
             timeout=timeout,
             allow_retries=False,  # a retry after a broken all-reduce would average half-averaged values
@@ -205,7 +221,7 @@ class OuterSync:
         if starts != {(outer_step, global_sha256)}:
             raise RoundFailed("groupmates started from different global states", tensors_touched=True)
         with self.averager.get_tensors() as buffers:
-            mean = [b.clone() for b in buffers]
+            mean = [buffers[i].clone() for i in indices]
         peers = {peer_id: meta for peer_id, meta in metadata.items() if meta.role == "peer"}  # assistants hold no mean
         return GroupMean(
             mean=mean,

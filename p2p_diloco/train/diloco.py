@@ -1,23 +1,31 @@
-"""The DiLoCo loop of one peer (Douillard et al., arXiv 2311.08105, Algorithm 1), over a hivemind swarm.
+"""The DiLoCo loop of one peer (Douillard et al., arXiv 2311.08105, Algorithm 1), over a hivemind swarm,
+with Streaming DiLoCo's fragments and overlap (arXiv 2501.18512) as options.
 
-Each round:
+Each round, toward outer step t + 1:
 
 1. read the swarm's progress (:func:`~p2p_diloco.swarm.progress.plan_round`): a peer that is behind
    or holds a θ_global the swarm does not agree on downloads the agreed state first;
-2. ``steps_per_outer`` inner AdamW steps (:class:`~p2p_diloco.train.inner.InnerTrainer`);
-3. wait (at most ``round_wait_timeout``) for peers at the same outer step to finish theirs;
-4. pseudo-gradient Δ = θ_global − θ_local; the group's sample-weighted mean of Δ
-   (:class:`~p2p_diloco.sync.outer_sync.OuterSync`), or Δ itself when no other peer is at this step;
-5. outer Nesterov step on θ_global, θ_local ← θ_global, metrics, checkpoint.
+2. H/P inner AdamW steps (:class:`~p2p_diloco.train.inner.InnerTrainer`; P = ``outer.fragments``,
+   1 by default), those run while the last round's sync was in flight included;
+3. the pseudo-gradient of fragment t mod P (:mod:`p2p_diloco.train.fragments`; with P = 1, the
+   whole model): Δ = θ_global − θ_local;
+4. its sync: wait (at most ``round_wait_timeout``) for the peers at step t, then the group's
+   sample-weighted mean of Δ (:class:`~p2p_diloco.sync.outer_sync.OuterSync`), or Δ itself when no
+   other peer is at this step. With ``outer.sync_delay`` τ = 0 the inner loop waits for it; with
+   τ > 0 it runs in a background thread while the next τ inner steps run;
+5. outer Nesterov step on that fragment of θ_global, then θ_local ← α·θ_local + (1 − α)·θ_global
+   on the fragment (α = ``outer.merge_alpha``, 0 by default), metrics, checkpoint.
 
-A failed round applies nothing: θ_global stays, training goes on (so the next Δ holds every inner
-step since the last applied outer step, and is weighted by all of their samples), and the next
-round's plan brings the peer back in step with the swarm. Data flows one way: train produces Δ,
-sync turns it into the group's mean, train applies it.
+A failed round applies nothing: θ_global stays, training goes on (so the fragment's next Δ holds
+every inner step since its last applied outer step, and is weighted by all of their samples), and
+the next round's plan brings the peer back in step with the swarm. Data flows one way: train
+produces Δ, sync turns it into the group's mean, train applies it. With P = 1, τ = 0 and α = 0 this
+is DiLoCo's Algorithm 1 exactly.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import threading
@@ -39,6 +47,7 @@ from p2p_diloco.swarm.records import RecordPublisher, assistance_key
 from p2p_diloco.sync.outer_sync import GroupMean, OuterSync, RoundFailed
 from p2p_diloco.sync.state_transfer import StateExpectation, download_global_state, nobody_serves
 from p2p_diloco.train.checkpoint import load_checkpoint, save_checkpoint
+from p2p_diloco.train.fragments import FragmentSchedule, model_fragments
 from p2p_diloco.train.inner import InnerTrainer
 from p2p_diloco.train.model import trainable_parameters
 from p2p_diloco.train.outer import GlobalModel
@@ -50,22 +59,35 @@ ROUND_CHECK_PERIOD_S = 1.0  # how often the inner loop looks whether the swarm i
 EXCLUDED_AFTER_ROUNDS = 3  # rounds in a row without an outer step after which a peer says it is excluded
 
 
-@dataclass
 class Contribution:
-    """The inner steps in θ_local since θ_local was last set from θ_global: what Δ holds."""
+    """What θ_local holds beyond θ_global: per fragment, the samples of the inner steps not yet synced
+    (its weight in the group's mean); and the loss of the inner steps since the last outer_step record."""
 
-    samples: int = 0
-    loss_sum: float = 0.0
-    steps: int = 0
+    def __init__(self, num_fragments: int):
+        self.samples = [0] * num_fragments
+        self.loss_sum = 0.0
+        self.steps = 0
 
     def add(self, loss: float, samples: int) -> None:
-        self.samples += samples
+        self.samples = [s + samples for s in self.samples]
         self.loss_sum += loss
         self.steps += 1
 
-    @property
-    def mean_loss(self) -> float:
-        return self.loss_sum / max(self.steps, 1)
+    def synced(self, fragment: int, samples: int) -> float:
+        """`samples` of `fragment` are in θ_global now; returns the mean loss since the last call."""
+        self.samples[fragment] -= samples
+        mean_loss = self.loss_sum / max(self.steps, 1)
+        self.loss_sum, self.steps = 0.0, 0
+        return mean_loss
+
+
+@dataclass
+class SyncOutcome:
+    """How the sync of one outer step ended: the group's mean, or why nothing is applied."""
+
+    result: Optional[GroupMean] = None
+    event: Optional[str] = None  # the metrics event of a round that applied nothing ("round_failed", ...)
+    reason: str = ""
 
 
 class DiLoCoPeer:
@@ -95,7 +117,10 @@ class DiLoCoPeer:
         self.data_position = 0  # batches taken from this peer's data stream
         self.inner = InnerTrainer(model, cfg.inner, self._counted_batches(0))
         self.global_model = GlobalModel(self.local_params, cfg.outer)
-        self.contribution = Contribution()
+        self.schedule = FragmentSchedule(model_fragments(model, cfg.outer), cfg.inner.steps_per_outer)
+        self.contribution = Contribution(cfg.outer.fragments)
+        self.steps_ahead = 0  # inner steps of the next round, run while the last round's sync was in flight
+        self._sync_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
         self.clock = ComputeClock()  # inner seconds against wall seconds, per outer_step record
         self.peer_id = node.dht.peer_id.to_base58()
         self.reachability = node.reachability
@@ -113,7 +138,8 @@ class DiLoCoPeer:
         self.assistance = None if node.reachability.can_reduce else self._ask_for_assistance(node, fingerprint)
         self.sync = OuterSync(node.dht, cfg.run.name, fingerprint, node.identity.record_subkey,
                               [p.shape for p in self.local_params], cfg.swarm, state_provider=self._serve_state,
-                              client_mode=not node.reachability.can_reduce, codec=cfg.outer.codec)
+                              client_mode=not node.reachability.can_reduce, codec=cfg.outer.codec,
+                              fragments=self.schedule.fragments, error_feedback=cfg.outer.error_feedback)
 
     def _ask_for_assistance(self, node: RunNode, fingerprint: str) -> RecordPublisher:
         """An unreachable peer asks reachable nodes to reduce for its run (see p2p_diloco.sync.assistant)."""
@@ -124,7 +150,7 @@ class DiLoCoPeer:
                                shapes=[list(p.shape) for p in self.local_params],
                                matchmaking_time=swarm.matchmaking_time, request_timeout=swarm.request_timeout,
                                allreduce_timeout=swarm.allreduce_timeout, next_chunk_timeout=swarm.next_chunk_timeout,
-                               codec=self.cfg.outer.codec))
+                               codec=self.cfg.outer.codec, fragments=self.schedule.fragments))
         return publisher
 
     def _counted_batches(self, position: int) -> Iterator[torch.Tensor]:
@@ -187,50 +213,86 @@ class DiLoCoPeer:
         logger.info("joined at outer step %d (%s)", self.global_model.outer_step, "checkpoint" if restored else "fresh")
 
     def _round(self) -> None:
+        """Inner steps until this outer step's fragment is due, then its sync: blocking (τ = 0), or in the
+        background while the next τ inner steps run (Streaming DiLoCo's overlap)."""
         step = self.global_model.outer_step
-        self.progress.publish(step, self.sha256, TRAINING, self.contribution.samples)
-        steps_this_round = 0
+        fragment = self.schedule.fragment_at(step)
+        self.progress.publish(step, self.sha256, TRAINING, self.contribution.samples[fragment])
+        if not self._train_round(step):
+            return
+        samples = self.contribution.samples[fragment]
+        self.progress.publish(step, self.sha256, READY, samples)
+        pseudo_gradient = self.global_model.pseudo_gradient(self.local_params, self.schedule.fragments[fragment])
+        sync = functools.partial(self._sync, step, fragment, pseudo_gradient, samples)
+        steps_while_syncing = 0
+        if self.cfg.outer.sync_delay:
+            in_flight = self._sync_thread.submit(sync)
+            while self.steps_ahead < self.cfg.outer.sync_delay and self._train_steps(1):
+                self.steps_ahead += 1
+                steps_while_syncing += not in_flight.done()  # this step ended before the sync did
+            outcome = in_flight.result()  # bounded: every wait inside the sync has its timeout
+        else:
+            outcome = sync()
+        if outcome.result is not None:
+            self._apply(outcome.result, fragment, samples, steps_while_syncing)
+        elif outcome.event is not None:
+            self._not_applied(step, outcome.reason, outcome.event)
+
+    def _train_round(self, step: int) -> bool:
+        """The inner steps of outer step `step` (those run during the last sync count); False if stopping.
+
+        The fastest peer at this step decides when the round ends: once one is ready, all stop. Slower
+        peers then contribute the inner steps they managed, weighted by their samples, so a slow
+        volunteer never makes the others wait for its full H/P steps.
+        """
+        steps_this_round, self.steps_ahead = self.steps_ahead, 0
         next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
-        for _ in range(self.cfg.inner.steps_per_outer):
+        while steps_this_round < self.schedule.steps_per_sync:
             if self._stopping():
-                return
+                return False
             if steps_this_round and time.monotonic() >= next_check:
                 next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
                 if self._round_is_closing(step):
                     logger.info("outer step %d: others are ready; contributing %d inner steps", step + 1,
                                 steps_this_round)
                     break
+            self._train_steps(1)
+            steps_this_round += 1
+        return True
+
+    def _train_steps(self, count: int) -> int:
+        """Up to `count` inner steps (fewer if the peer is stopping); returns how many ran."""
+        for done in range(count):
+            if self._stopping():
+                return done
             with self.clock.inner_step():
                 loss, n = self.inner.step()
                 faults.after_inner_step()
             self.contribution.add(loss, n)
-            steps_this_round += 1
-        samples = self.contribution.samples
-        self.progress.publish(step, self.sha256, READY, samples)
+        return count
+
+    def _sync(self, step: int, fragment: int, pseudo_gradient: list[torch.Tensor], samples: int) -> SyncOutcome:
+        """Wait for the groupmates at `step`, then the group's mean of this fragment's pseudo-gradient."""
         records = self.progress.wait_for_groupmates(step, self.cfg.swarm.round_wait_timeout, self.stop_event)
         if self._stopping():
-            return
+            return SyncOutcome()
         if any(r.outer_step > step for r in records.values()):
             logger.info("the swarm moved past outer step %d while this peer trained; catching up", step)
-            return
+            return SyncOutcome()
         plan = plan_averaging(records, step, self.peer_id, self.reachability.mode)
         if plan.action == "skip":
-            self._not_applied(step, plan.reason, "round_skipped")
-            return
-        pseudo_gradient = self.global_model.pseudo_gradient(self.local_params)
+            return SyncOutcome(event="round_skipped", reason=plan.reason)
         if plan.action == "alone":
-            result = GroupMean(pseudo_gradient, 1, samples, {self.peer_id: "alone"})
-        else:
-            try:
-                result = self.sync.average(pseudo_gradient, samples, step, self.sha256, stop=self.stop_event)
-            except RoundFailed as e:
-                reason = str(e)
-                if plan.needs_assistant:  # what the user can do about it
-                    reason += ("; every peer at this step is unreachable, so only an assistant can reduce for them: "
-                               "a reachable bootstrap node (not started with --no-assist) or a reachable peer")
-                self._not_applied(step, reason, "round_failed")
-                return
-        self._apply(result)
+            return SyncOutcome(GroupMean(pseudo_gradient, 1, samples, {self.peer_id: "alone"}))
+        try:
+            return SyncOutcome(self.sync.average(pseudo_gradient, samples, step, self.sha256, fragment,
+                                                 stop=self.stop_event))
+        except RoundFailed as e:
+            reason = str(e)
+            if plan.needs_assistant:  # what the user can do about it
+                reason += ("; every peer at this step is unreachable, so only an assistant can reduce for them: "
+                           "a reachable bootstrap node (not started with --no-assist) or a reachable peer")
+            return SyncOutcome(event="round_failed", reason=reason)
 
     def _not_applied(self, step: int, reason: str, event: str) -> None:
         """A round that ends without an outer step: say why; after a few in a row, say the peer is excluded.
@@ -247,22 +309,20 @@ class DiLoCoPeer:
                                reachability=self.reachability.mode)
 
     def _round_is_closing(self, step: int) -> bool:
-        """The fastest peer at this step decides when the round ends: once one is ready, all stop.
-
-        Slower peers then contribute the inner steps they managed, weighted by their samples, so
-        a slow volunteer never makes the others wait for its full H steps.
-        """
+        """Whether another peer is ready at this step, or past it."""
         return any(
             r.peer_id != self.peer_id and (r.outer_step > step or (r.outer_step == step and r.phase == READY))
             for r in self.progress.fetch().values()
         )
 
-    def _apply(self, result: GroupMean) -> None:
-        contribution, self.contribution = self.contribution, Contribution()
+    def _apply(self, result: GroupMean, fragment: int, samples: int, steps_while_syncing: int) -> None:
+        """The outer step on this fragment of θ_global, merged into θ_local; `samples` were in the peer's Δ."""
+        mean_loss = self.contribution.synced(fragment, samples)
         self.rounds_not_applied = 0
+        indices = self.schedule.fragments[fragment]
         with self._state_lock:
-            self.global_model.apply(result.mean)
-            self.global_model.copy_to(self.local_params)
+            self.global_model.apply(result.mean, indices)
+            self.global_model.merge_into(self.local_params, indices, self.cfg.outer.merge_alpha)
             self.last_group_size = result.group_size
             self._after_state_change()
         step = self.global_model.outer_step
@@ -273,8 +333,10 @@ class DiLoCoPeer:
             outer_step=step,
             group_size=result.group_size,
             group_samples=result.group_samples,
-            samples=contribution.samples,
-            loss=contribution.mean_loss,
+            samples=samples,
+            loss=mean_loss,
+            fragment=fragment,
+            steps_while_syncing=steps_while_syncing,
             global_sha256=self.sha256,
             bytes_sent=traffic.sent,
             bytes_received=traffic.received,
@@ -285,7 +347,7 @@ class DiLoCoPeer:
         )
         logger.info(
             "outer step %d: group of %d, %d samples, loss %.4f, global %s",
-            step, result.group_size, result.group_samples, contribution.mean_loss, self.sha256[:12],
+            step, result.group_size, result.group_samples, mean_loss, self.sha256[:12],
         )
         self._save_checkpoint()
 
@@ -316,7 +378,8 @@ class DiLoCoPeer:
             self.global_model.load_state_tensors(state.tensors, state.outer_step)
             self.global_model.copy_to(self.local_params)
             self.inner.fast_forward_schedule(state.inner_steps)
-            self.contribution = Contribution()
+            self.contribution = Contribution(len(self.schedule.fragments))
+            self.steps_ahead = 0
             self.rounds_not_applied = 0
             self._after_state_change()
         self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
@@ -366,4 +429,5 @@ class DiLoCoPeer:
         if self.assistance is not None:
             self.assistance.close()
         self.metrics.write("exit", outer_step=self.global_model.outer_step, global_sha256=self.sha256)
+        self._sync_thread.shutdown(wait=True)
         self.sync.shutdown()

@@ -35,15 +35,17 @@ class GlobalModel:
         )
 
     @torch.no_grad()
-    def pseudo_gradient(self, local_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Δ = θ_global − θ_local, in fp32 on the CPU (Alg. 1 line 10)."""
-        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.params, local_params)]
+    def pseudo_gradient(self, local_params: Sequence[torch.Tensor], indices: Sequence[int]) -> list[torch.Tensor]:
+        """Δ = θ_global − θ_local of the parameters at `indices` (a fragment), in fp32 on the CPU (Alg. 1 line 10)."""
+        return [self.params[i] - local_params[i].detach().to("cpu", torch.float32) for i in indices]
 
     @torch.no_grad()
-    def apply(self, mean_pseudo_gradient: Sequence[torch.Tensor]) -> None:
-        """One outer Nesterov step with the group's mean pseudo-gradient (Alg. 1 line 12)."""
-        for param, delta in zip(self.params, mean_pseudo_gradient):
-            param.grad = delta.to(torch.float32).clone()
+    def apply(self, mean_pseudo_gradient: Sequence[torch.Tensor], indices: Sequence[int]) -> None:
+        """One outer Nesterov step with the group's mean pseudo-gradient of the parameters at `indices`
+        (Alg. 1 line 12). The others keep their values and their momentum: torch's SGD skips a
+        parameter without a gradient, so each Streaming DiLoCo fragment has its own outer state."""
+        for i, delta in zip(indices, mean_pseudo_gradient):
+            self.params[i].grad = delta.to(torch.float32).clone()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.outer_step += 1
@@ -53,6 +55,17 @@ class GlobalModel:
         """θ_local ← θ_global (cast to the local parameters' device and dtype)."""
         for p, g in zip(local_params, self.params):
             p.copy_(g)
+
+    @torch.no_grad()
+    def merge_into(self, local_params: Sequence[torch.Tensor], indices: Sequence[int], alpha: float) -> None:
+        """θ_local ← α·θ_local + (1 − α)·θ_global at `indices` (the overlap merge of Streaming DiLoCo, arXiv 2501.18512);
+        α = 0 copies θ_global, as DiLoCo does."""
+        for i in indices:
+            g = self.params[i].to(local_params[i].device, local_params[i].dtype)
+            if alpha == 0:
+                local_params[i].copy_(g)
+            else:
+                local_params[i].mul_(alpha).add_(g, alpha=1 - alpha)
 
     def momentum_buffers(self) -> list[torch.Tensor]:
         """The outer momentum, zeros before the first step, in parameter order."""
