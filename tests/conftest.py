@@ -43,7 +43,10 @@ def write_toml(path: Path, raw: dict) -> Path:
     for section, values in raw.items():
         lines.append(f"[{section}]")
         for key, value in values.items():
-            lines.append(f"{key} = {value!r}" if not isinstance(value, str) else f'{key} = "{value}"')
+            if isinstance(value, bool):
+                lines.append(f"{key} = {str(value).lower()}")
+            else:
+                lines.append(f"{key} = {value!r}" if not isinstance(value, str) else f'{key} = "{value}"')
     path.write_text("\n".join(lines) + "\n")
     return path
 
