@@ -288,6 +288,9 @@ class ExactMeanAverager(DecentralizedAverager):
         # a round averages one fragment of the tensors (Streaming DiLoCo): the one its members gathered
         self.fragments = fragments or [list(range(len(tensors)))]
         self.codec = get_codec(codec)  # of the pseudo-gradient parts (outer.codec); the state travels in fp32
+        # one round trip before the averager process forks: it then holds bitsandbytes already, whose import
+        # on first use took ~10 s on a loaded machine, inside the first round (longer than next_chunk_timeout)
+        self.codec.decode(self.codec.encode(torch.ones(256)), 256)
         self.traffic = TrafficCounters()  # created before the averager process forks, so both see it
         self.screen = GroupScreen()  # used in the averager process
         self.rounds_started = 0  # counted in the averager process
