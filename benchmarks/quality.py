@@ -87,7 +87,10 @@ def benchmark_config(text_path: str, seed: int, inner_steps_per_outer: int, tota
                   "total_steps": total_inner_steps, "min_lr_ratio": 0.1, "grad_clip": 1.0,
                   "batch_size": LOCAL_BATCH_SIZE, "grad_accumulation": 1,
                   "steps_per_outer": inner_steps_per_outer},
-        "outer": {"lr": 0.7, "momentum": 0.9},
+        # DiLoCo's Algorithm 1 (fp32, blocking): codecs, error feedback and overlap are what the other
+        # benchmarks compare against it
+        "outer": {"lr": 0.7, "momentum": 0.9, "codec": "none", "error_feedback": False, "fragments": 1,
+                  "sync_delay": 0, "merge_alpha": 0.0},
         "swarm": {"matchmaking_time": 2.0, "request_timeout": 1.0, "round_wait_timeout": 30.0,
                   "allreduce_timeout": 60.0, "next_chunk_timeout": 10.0, "state_download_timeout": 60.0,
                   "progress_ttl": 60.0},

@@ -24,7 +24,8 @@ TINY = {
     "inner": {"lr": 3e-3, "warmup_steps": 2, "total_steps": 400, "batch_size": 4, "steps_per_outer": 5},
     # DiLoCo's Algorithm 1 exactly, whatever the shipped defaults: tests that need a codec, fragments or
     # overlap ask for them
-    "outer": {"lr": 0.7, "momentum": 0.9, "codec": "none", "fragments": 1, "sync_delay": 0, "merge_alpha": 0.0},
+    "outer": {"lr": 0.7, "momentum": 0.9, "codec": "none", "error_feedback": False, "fragments": 1, "sync_delay": 0,
+              "merge_alpha": 0.0},
     "swarm": {"matchmaking_time": 2.0, "request_timeout": 1.0, "round_wait_timeout": 20.0,
               "allreduce_timeout": 30.0, "next_chunk_timeout": 5.0, "commit_timeout": 10.0, "state_download_timeout": 30.0,
               "progress_ttl": 30.0},

@@ -122,14 +122,18 @@ class Topology:
         _run(*iptables, "-A", "FORWARD", "-i", "wan", "-o", "lan", "-j", "DROP")
         return Host(name, home, f"{lan}.2", link, router)
 
-    def limit_rate(self, host: Host, mbit: float) -> None:
-        """Shape the host's link (its router's, for a home) to `mbit` Mbit/s in each direction."""
-        rate, burst = f"{mbit}mbit", f"{max(32, int(mbit * 1000 / 8 / 10))}kb"  # ~10 ms of burst
+    def limit_rate(self, host: Host, mbit: float, burst_ms: float = 2.0) -> None:
+        """Shape the host's link (its router's, for a home) to `mbit` Mbit/s in each direction.
+
+        The token bucket holds `burst_ms` of the rate, at least 64 KiB (a whole GSO segment of the
+        veth): an idle link refills it and then sends it at veth speed, so a larger bucket (100 ms
+        once) let a transfer of a few MB beat the physical limit."""
+        burst = max(65536, int(mbit * 1e6 / 8 * burst_ms / 1000))
         inner_ns = host.router or host.namespace
         inner_dev = "wan" if host.router else "eth0"
         for namespace, device in ((self.bridge_ns, host.link), (inner_ns, inner_dev)):
             _run("ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device, "root", "tbf",
-                 "rate", rate, "burst", burst, "latency", "50ms")
+                 "rate", f"{mbit}mbit", "burst", str(burst), "latency", "50ms")
 
     def command(self, host: Host, argv: Sequence[str]) -> list[str]:
         """`argv` run inside the host's namespace (`ip netns exec` execs it: the PID is the program's)."""

@@ -6,7 +6,7 @@ import torch
 
 from p2p_diloco.config import ConfigError
 from p2p_diloco.metrics import MetricsWriter, read_metrics
-from p2p_diloco.train.fragments import FragmentError, split_into_fragments
+from p2p_diloco.train.fragments import FragmentError, FragmentSchedule, split_into_fragments
 from p2p_diloco.train.model import build_model, trainable_parameters
 from tests.conftest import tiny_config
 from tests.inprocess import OracleWorker, fixed_batches, inprocess_peers, run_in_threads
@@ -103,12 +103,20 @@ def test_strided_and_sequential_fragments_hold_every_parameter_once():
 
 @pytest.mark.parametrize("outer, message", [
     ({"fragments": 3}, "outer.fragments = 3 exceeds model.num_layers = 2"),
-    ({"fragments": 2, "sync_delay": 3}, "outer.sync_delay = 3 must be smaller than"),
-    ({"fragments": 2, "sync_delay": 0, "merge_alpha": 1.5}, "outer.merge_alpha = 1.5 is invalid"),
-    ({"error_feedback": True}, "needs a lossy outer.codec"),
+    ({"fragments": 2, "merge_alpha": 1.5}, "outer.merge_alpha = 1.5 is invalid"),
+    ({"fragment_layout": "random"}, "outer.fragment_layout = 'random' is invalid"),
+    ({"error_feedback": "yes"}, "outer.error_feedback = 'yes' is invalid: must be true or false"),
 ])
 def test_streaming_settings_are_checked_up_front(outer, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config(model={"num_layers": 2}, inner={"steps_per_outer": 6}, outer=outer)
     with pytest.raises(ConfigError, match="must be a multiple of outer.fragments"):
         tiny_config(model={"num_layers": 2}, inner={"steps_per_outer": 5}, outer={"fragments": 2})
+
+
+def test_the_overlap_is_shorter_than_a_fragment_round():
+    """τ < H/P: one fragment in flight at a time, and every round trains at least one step of its own."""
+    fragments = [[0], [1]]
+    assert FragmentSchedule(fragments, steps_per_outer=6, sync_delay=5).sync_delay == 2
+    assert FragmentSchedule(fragments, steps_per_outer=6, sync_delay=1).sync_delay == 1
+    assert FragmentSchedule([[0, 1]], steps_per_outer=1, sync_delay=5).sync_delay == 0

@@ -14,13 +14,13 @@ Each round, toward outer step t + 1:
    other peer is at this step. With ``outer.sync_delay`` τ = 0 the inner loop waits for it; with
    τ > 0 it runs in a background thread while the next τ inner steps run;
 5. outer Nesterov step on that fragment of θ_global, then θ_local ← α·θ_local + (1 − α)·θ_global
-   on the fragment (α = ``outer.merge_alpha``, 0 by default), metrics, checkpoint.
+   on the fragment (α = ``outer.merge_alpha``), metrics, checkpoint.
 
 A failed round applies nothing: θ_global stays, training goes on (so the fragment's next Δ holds
 every inner step since its last applied outer step, and is weighted by all of their samples), and
 the next round's plan brings the peer back in step with the swarm. Data flows one way: train
-produces Δ, sync turns it into the group's mean, train applies it. With P = 1, τ = 0 and α = 0 this
-is DiLoCo's Algorithm 1 exactly.
+produces Δ, sync turns it into the group's mean, train applies it. With P = 1, τ = 0, α = 0 and the
+fp32 codec this is DiLoCo's Algorithm 1 exactly.
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ class DiLoCoPeer:
         self.data_position = 0  # batches taken from this peer's data stream
         self.inner = InnerTrainer(model, cfg.inner, self._counted_batches(0))
         self.global_model = GlobalModel(self.local_params, cfg.outer)
-        self.schedule = FragmentSchedule(model_fragments(model, cfg.outer), cfg.inner.steps_per_outer)
+        self.schedule = FragmentSchedule(model_fragments(model, cfg.outer), cfg.inner.steps_per_outer,
+                                         cfg.outer.sync_delay)
         self.contribution = Contribution(cfg.outer.fragments)
         self.steps_ahead = 0  # inner steps of the next round, run while the last round's sync was in flight
         self._sync_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
@@ -139,7 +140,8 @@ class DiLoCoPeer:
         self.sync = OuterSync(node.dht, cfg.run.name, fingerprint, node.identity.record_subkey,
                               [p.shape for p in self.local_params], cfg.swarm, state_provider=self._serve_state,
                               client_mode=not node.reachability.can_reduce, codec=cfg.outer.codec,
-                              fragments=self.schedule.fragments, error_feedback=cfg.outer.error_feedback)
+                              fragments=self.schedule.fragments,
+                              error_feedback=cfg.outer.error_feedback and cfg.outer.codec != "none")
 
     def _ask_for_assistance(self, node: RunNode, fingerprint: str) -> RecordPublisher:
         """An unreachable peer asks reachable nodes to reduce for its run (see p2p_diloco.sync.assistant)."""
@@ -225,9 +227,9 @@ class DiLoCoPeer:
         pseudo_gradient = self.global_model.pseudo_gradient(self.local_params, self.schedule.fragments[fragment])
         sync = functools.partial(self._sync, step, fragment, pseudo_gradient, samples)
         steps_while_syncing = 0
-        if self.cfg.outer.sync_delay:
+        if self.schedule.sync_delay:
             in_flight = self._sync_thread.submit(sync)
-            while self.steps_ahead < self.cfg.outer.sync_delay and self._train_steps(1):
+            while self.steps_ahead < self.schedule.sync_delay and self._train_steps(1):
                 self.steps_ahead += 1
                 steps_while_syncing += not in_flight.done()  # this step ended before the sync did
             outcome = in_flight.result()  # bounded: every wait inside the sync has its timeout

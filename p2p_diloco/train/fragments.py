@@ -14,12 +14,15 @@ With P = 1 this is DiLoCo: the one fragment is the whole model, synced every H i
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Sequence
 
 import torch
 
 from p2p_diloco.config import ConfigError, OuterConfig
+
+logger = logging.getLogger(__name__)
 
 BLOCK_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")  # Llama, BERT-style, GPT-2, others
 
@@ -75,11 +78,17 @@ def fragment_at(outer_step: int, num_fragments: int) -> int:
 
 
 class FragmentSchedule:
-    """Which fragment outer step t syncs, and after how many inner steps (arXiv 2501.18512, Alg. 2)."""
+    """Which fragment outer step t syncs, after how many inner steps, and how many more inner steps run
+    while it syncs (arXiv 2501.18512, §2: H/P and τ)."""
 
-    def __init__(self, fragments: list[list[int]], steps_per_outer: int):
+    def __init__(self, fragments: list[list[int]], steps_per_outer: int, sync_delay: int):
         self.fragments = fragments
         self.steps_per_sync = steps_per_outer // len(fragments)  # H / P
+        # τ < H/P: one fragment in flight at a time, and each round trains at least one step of its own
+        self.sync_delay = min(sync_delay, self.steps_per_sync - 1)
+        if self.sync_delay < sync_delay:
+            logger.info("outer.sync_delay = %d is lowered to %d: at most steps_per_outer / fragments - 1 inner steps "
+                        "run while a fragment syncs", sync_delay, self.sync_delay)
 
     def fragment_at(self, outer_step: int) -> int:
         return fragment_at(outer_step, len(self.fragments))
