@@ -117,6 +117,11 @@ class OuterSync:
     """One averager per peer, sized like the model's trainable parameters; the parts of the
     pseudo-gradient travel in `codec` (:mod:`p2p_diloco.sync.codecs`).
 
+    `fragments` lists the tensor indices of each Streaming DiLoCo fragment (default: one of all); a
+    round averages one of them, named in the gathered metadata, and the averager moves only its
+    tensors. With `error_feedback` each peer sends Δ + e and keeps what the codec dropped
+    (:mod:`p2p_diloco.sync.error_feedback`) once the round is agreed.
+
     A peer that nobody can dial (`client_mode`) averages as hivemind's client: it sends its parts to
     reducers that it dials, reduces none, never leads a group and serves no state.
     """
