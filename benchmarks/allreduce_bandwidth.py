@@ -1,0 +1,435 @@
+"""All-reduce time of S bytes among N peers on rate-limited links, per codec, against the physical limit.
+
+    sudo python benchmarks/allreduce_bandwidth.py          # ~4-5 min on 2 cores; needs root (network namespaces)
+    sudo python benchmarks/allreduce_bandwidth.py --mbit 100 --codecs none,fp4-e3m0 --rounds 2 --mbytes 4  # ~15 s
+
+N peer processes (--peers, default 3) each run in a network namespace of their own on one bridge
+(tests/netns.py), with their link shaped by `tc tbf` to B Mbit/s in each direction (--mbit, a list:
+each rate in turn, re-shaping the same links) by `Topology.limit_rate`, with a token bucket of
+--burst-ms (default 2 ms, at least 64 KiB) of the rate: a bucket of 100 ms, which an idle link
+refills between rounds and then sends at veth speed, let an all-reduce of a few MB beat the
+physical limit.
+
+Each peer starts its DHT node on its namespace address (the first peer is the others' initial
+peer) and averages one flat fp32 tensor of S/4 values (--mbytes S in 10^6 bytes, default 16: 4M parameters, values randn · 1e-3) with
+`OuterSync.average`, hivemind's butterfly all-reduce with bit-identical results
+(p2p_diloco/sync/exact_allreduce.py). For each rate and each codec (--codecs, default all of
+p2p_diloco/sync/codecs.py) a fresh OuterSync under its own averager prefix and outer steps runs
+--rounds rounds, then shuts down.
+
+Every round starts at one instant on every peer: each peer reports ready through a file under
+--out, and this script, once all are ready, names a start time a moment ahead (the namespaces share
+the machine's clock). Matchmaking is kept short (matchmaking_time 1.0 s, request_timeout 0.5 s) and
+is not part of the all-reduce time. Per (B, codec) the table gives:
+
+- **all-reduce s**: median over the rounds of (the last peer's end of all-reduce) − (the first
+  peer's start of it), where a peer's start is when its averager enters RUNNING_ALLREDUCE (the
+  leader has closed the group: matchmaking is over) and its end is when its step returns the
+  gathered data (every part reduced and received back). It includes encoding, decoding and summing
+  on the CPU, and the begin-allreduce message from the leader to the followers;
+- **limit s**: 2(N−1)/N · S_codec / B with S_codec = numel × bytes_per_parameter(codec): each peer
+  sends (N−1)/N of its values to their reducers and (N−1)/N of the averaged values back, through
+  its own B in each direction; **efficiency** = limit / all-reduce s (1.0 would be a perfect link);
+- **split limit s**: the same bound for the split hivemind really made, median over the rounds of
+  (the most payload bytes any peer sent, or received) / B. hivemind cuts the tensor into parts of
+  512 KiB *after* the codec (131,072 fp32 values, 932,067 values in a 4-bit codec) and gives each
+  part whole to one reducer, so with few parts per peer the reducers' shares are unequal and the
+  busiest peer moves more than 2(N−1)/N · S_codec;
+- **round s**: median of (the last peer's return from `OuterSync.average`) − (the common start):
+  matchmaking (≥ matchmaking_time), the all-reduce, and the DHT round reports every peer exchanges
+  before it commits the mean (p2p_diloco/sync/commit.py);
+- **payload MB**: the tensor bytes each peer sent plus received in the round (averager.traffic:
+  serialized parts only), the mean over peers and rounds, and the peak (the largest of any peer in
+  any round); for N peers the ideal is 2 · 2(N−1)/N · S_codec;
+- **eth0 MB**: the bytes each peer's interface sent plus received from the common start to its
+  return (everything: TCP/IP, TLS, yamux, protobuf framing, DHT and the round reports), mean and peak;
+- **rounds ok**: rounds in which every peer got the full group and the same mean (sha256).
+
+It prints a Markdown table and writes the per-peer, per-round records (results.json, peer*.jsonl)
+and the peers' logs under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+RUN = "allreduce-bench"
+MATCHMAKING_TIME_S = 1.0
+REQUEST_TIMEOUT_S = 0.5
+COMMIT_TIMEOUT_S = 15.0
+START_AHEAD_S = 0.3  # how far ahead of "all ready" the common start lies
+STARTUP_TIMEOUT_S = 240.0  # torch and bitsandbytes imports and a DHT start on a busy 2-core machine
+
+
+def limit_seconds(peers: int, sbytes: float, mbit: float) -> float:
+    """The physical limit: each peer moves 2(N−1)/N · S through its own link of B in each direction."""
+    return 2 * (peers - 1) / peers * sbytes / (mbit * 1e6 / 8)
+
+
+def allreduce_timeout(plan: dict, phase: dict) -> float:
+    """Generous: 4× the limit of fp32 plus 30 s (every peer computes the same value)."""
+    return 4 * limit_seconds(plan["peers"], plan["numel"] * 4, phase["mbit"]) + 30.0
+
+
+def phase_tag(index: int, phase: dict) -> str:
+    return f"{index}-{phase['mbit']:g}-{phase['codec']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the peer process (--worker): one DHT node, one OuterSync per phase, rounds on the common start
+
+
+def _iface_bytes() -> tuple[int, int]:
+    """(tx, rx) bytes of eth0, this namespace's link."""
+    stats = Path("/sys/class/net/eth0/statistics")
+    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
+def _barrier(sync_dir: Path, name: str, index: int, timeout_s: float) -> float:
+    """Report ready for `name` and wait for the coordinator's start time; return it."""
+    (sync_dir / f"ready-{name}-{index}").touch()
+    go = sync_dir / f"go-{name}"
+    deadline = time.monotonic() + timeout_s
+    while not go.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no start for {name} within {timeout_s:.0f} s")
+        time.sleep(0.005)
+    return float(go.read_text())
+
+
+class _StepWatch:
+    """Wraps the averager's `step` to catch its StepControl, and notes when this peer's all-reduce
+    began (stage RUNNING_ALLREDUCE: the group is formed) and when the step finished."""
+
+    POLL_S = 0.002
+
+    def __init__(self, averager):
+        self.control = None
+        original = averager.step
+
+        def step(*args, **kwargs):
+            self.control = original(*args, **kwargs)
+            return self.control
+
+        averager.step = step  # only this process calls it; the averager process is not touched
+
+    def start(self) -> dict:
+        self.control, marks, stop = None, {}, threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                control = self.control
+                if control is not None:
+                    now = time.time()
+                    if "began" not in marks and control.began_allreduce:
+                        marks["began"] = now
+                    if control.done():
+                        marks["done"] = now
+                        return
+                time.sleep(self.POLL_S)
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        marks["_stop"], marks["_thread"] = stop, thread
+        return marks
+
+    @staticmethod
+    def finish(marks: dict) -> dict:
+        marks.pop("_stop").set()
+        marks.pop("_thread").join(1.0)
+        return marks
+
+
+def run_worker(args) -> None:
+    import torch
+
+    from p2p_diloco import process_tree
+    from p2p_diloco.config import SwarmConfig
+    from p2p_diloco.hashing import tensors_sha256
+    from p2p_diloco.swarm.node import start_run_node, visible_maddrs
+    from p2p_diloco.sync.codecs import CODECS
+    from p2p_diloco.sync.outer_sync import OuterSync, RoundFailed
+
+    process_tree.children_exit_with_this_process()  # killed, it takes its DHT, averager and p2pd along
+    out = Path(args.out)
+    plan = json.loads((out / "plan.json").read_text())
+    sync_dir, index, numel = out / "barrier", args.worker, plan["numel"]
+    records = out / f"peer{index}.jsonl"
+    # bitsandbytes is imported on first use, which takes seconds: here, before the averagers fork
+    for codec in {phase["codec"] for phase in plan["phases"]}:
+        CODECS[codec].decode(CODECS[codec].encode(torch.ones(256)), 256)
+    node = start_run_node(RUN, args.ip, 0, initial_peers=args.initial_peers or ())
+    if index == 0:
+        print(" ".join(visible_maddrs(node.dht)), flush=True)
+    sync = None
+    try:
+        for p, phase in enumerate(plan["phases"]):
+            tag = phase_tag(p, phase)
+            cfg = SwarmConfig(matchmaking_time=MATCHMAKING_TIME_S, request_timeout=REQUEST_TIMEOUT_S,
+                              allreduce_timeout=allreduce_timeout(plan, phase), next_chunk_timeout=30.0,
+                              commit_timeout=COMMIT_TIMEOUT_S)
+            # its own averager prefix and outer steps: rounds of different phases never meet
+            fingerprint = hashlib.sha256(f"{RUN} {tag}".encode()).hexdigest()
+            sync = OuterSync(node.dht, RUN, fingerprint, node.identity.record_subkey, [torch.Size([numel])], cfg,
+                             state_provider=lambda: ({}, []), codec=phase["codec"])
+            watch = _StepWatch(sync.averager)
+            global_sha256 = hashlib.sha256(tag.encode()).hexdigest()
+            for r in range(plan["rounds"]):
+                generator = torch.Generator().manual_seed(1_000_000 * p + 1000 * r + index)
+                delta = torch.randn(numel, generator=generator) * 1e-3
+                start = _barrier(sync_dir, f"{p}-{r}", index, STARTUP_TIMEOUT_S + 4 * cfg.allreduce_timeout)
+                time.sleep(max(0.0, start - time.time()))
+                sent0, received0 = sync.averager.traffic.sent, sync.averager.traffic.received
+                tx0, rx0 = _iface_bytes()
+                marks = watch.start()
+                called = time.time()
+                mean, group_size, error = None, None, None
+                try:
+                    result = sync.average([delta], samples=index + 1, outer_step=1000 * p + r,
+                                          global_sha256=global_sha256)
+                    mean, group_size = result.mean, result.group_size
+                except RoundFailed as e:
+                    error = str(e)
+                returned = time.time()
+                marks = watch.finish(marks)
+                tx1, rx1 = _iface_bytes()
+                record = dict(peer=index, phase=p, mbit=phase["mbit"], codec=phase["codec"], round=r, start=start,
+                              called=called, began=marks.get("began"), done=marks.get("done"), returned=returned,
+                              group_size=group_size, error=error,
+                              mean_sha256=tensors_sha256(mean) if mean is not None else None,
+                              sent=sync.averager.traffic.sent - sent0,
+                              received=sync.averager.traffic.received - received0,
+                              iface_tx=tx1 - tx0, iface_rx=rx1 - rx0)
+                with open(records, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            sync.shutdown()
+            sync = None
+        _barrier(sync_dir, "end", index, 600.0)  # nobody leaves (peer 0 is the DHT's entry) before all are done
+    finally:
+        children = process_tree.descendant_pids(os.getpid())
+        if sync is not None:
+            sync.shutdown()
+        node.dht.shutdown()
+        process_tree.stop_processes(process_tree.without_torch_shm_manager(children))
+
+
+# ---------------------------------------------------------------------------------------------
+# the coordinator: namespaces, rates, barriers, and the table
+
+
+def _wait_ready(sync_dir: Path, name: str, procs, peers: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all((sync_dir / f"ready-{name}-{i}").exists() for i in range(peers)):
+        dead = [i for i, proc in enumerate(procs) if proc.poll() is not None]
+        if dead:
+            raise RuntimeError(f"peer(s) {dead} exited before {name}; see their logs under {sync_dir.parent}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every peer was ready for {name} within {timeout_s:.0f} s")
+        time.sleep(0.01)
+
+
+def _go(sync_dir: Path, name: str) -> None:
+    tmp = sync_dir / f".go-{name}"
+    tmp.write_text(repr(time.time() + START_AHEAD_S))
+    tmp.rename(sync_dir / f"go-{name}")  # atomic: a peer never reads a half-written time
+
+
+def _stop(procs) -> None:
+    from p2p_diloco.process_tree import kill_tree, wait_gone
+
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # the peer's `finally` stops its DHT, averager and p2pd
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            below = kill_tree(proc.pid)
+            proc.wait(10)
+            for pid in wait_gone(below, 10):
+                kill_tree(pid)
+
+
+def run(args, plan: dict, out: Path) -> list[dict]:
+    from tests.netns import Topology
+
+    sync_dir = out / "barrier"
+    sync_dir.mkdir(parents=True, exist_ok=True)
+    for path in [*sync_dir.iterdir(), *out.glob("peer*.jsonl")]:
+        path.unlink()
+    (out / "plan.json").write_text(json.dumps(plan, indent=2))
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    me = [sys.executable, str(Path(__file__).resolve()), "--out", str(out)]
+    procs: list[subprocess.Popen] = []
+    with Topology() as topology:
+        try:
+            hosts = [topology.add_public(f"peer{i}") for i in range(plan["peers"])]
+            first = topology.popen(hosts[0], [*me, "--worker", "0", "--ip", hosts[0].ip], stdout=subprocess.PIPE,
+                                   stderr=open(out / "peer0.log", "w"), text=True, env=env)
+            procs.append(first)
+            ready, _, _ = select.select([first.stdout], [], [], STARTUP_TIMEOUT_S)
+            maddrs = first.stdout.readline().split() if ready else []
+            if not maddrs:
+                raise RuntimeError(f"peer 0 did not start its DHT; see {out / 'peer0.log'}")
+            for i, host in enumerate(hosts[1:], start=1):
+                procs.append(topology.popen(host, [*me, "--worker", str(i), "--ip", host.ip, "--initial-peers", *maddrs],
+                                            stdout=subprocess.DEVNULL, stderr=open(out / f"peer{i}.log", "w"), env=env))
+            shaped = None
+            for p, phase in enumerate(plan["phases"]):
+                print(f"{phase['mbit']:g} Mbit/s, {phase['codec']}: {plan['rounds']} rounds", file=sys.stderr, flush=True)
+                for r in range(plan["rounds"]):
+                    name = f"{p}-{r}"
+                    timeout = STARTUP_TIMEOUT_S + 4 * allreduce_timeout(plan, phase) + COMMIT_TIMEOUT_S
+                    _wait_ready(sync_dir, name, procs, plan["peers"], timeout)
+                    if phase["mbit"] != shaped:  # only now: every peer is done with the rounds at the last rate
+                        for host in hosts:
+                            topology.limit_rate(host, phase["mbit"], args.burst_ms)
+                        shaped = phase["mbit"]
+                    _go(sync_dir, name)
+            _wait_ready(sync_dir, "end", procs, plan["peers"], 4 * allreduce_timeout(plan, plan["phases"][-1]) + 60)
+            _go(sync_dir, "end")
+            deadline = time.monotonic() + 60  # each peer shuts down by itself; _stop below ends the rest
+            while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            _stop(procs)
+    records = []
+    for i in range(plan["peers"]):
+        path = out / f"peer{i}.jsonl"
+        if path.exists():
+            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return records
+
+
+def summarize(plan: dict, records: list[dict]) -> list[dict]:
+    from p2p_diloco.sync.codecs import bytes_per_parameter
+
+    peers, numel = plan["peers"], plan["numel"]
+    rows = []
+    for p, phase in enumerate(plan["phases"]):
+        per_round = []
+        for r in range(plan["rounds"]):
+            got = [x for x in records if x["phase"] == p and x["round"] == r]
+            ok = (len(got) == peers and all(x["error"] is None and x["group_size"] == peers for x in got)
+                  and len({x["mean_sha256"] for x in got}) == 1 and all(x["began"] and x["done"] for x in got))
+            if not ok:
+                continue
+            per_round.append(dict(
+                allreduce_s=max(x["done"] for x in got) - min(x["began"] for x in got),
+                round_s=max(x["returned"] for x in got) - got[0]["start"],
+                matchmaking_s=min(x["began"] for x in got) - got[0]["start"],
+                payload=[x["sent"] + x["received"] for x in got],
+                split_limit_s=max(max(x["sent"], x["received"]) for x in got) / (phase["mbit"] * 1e6 / 8),
+                iface=[x["iface_tx"] + x["iface_rx"] for x in got],
+            ))
+        bpp = bytes_per_parameter(phase["codec"])
+        s_codec = numel * bpp
+        limit = limit_seconds(peers, s_codec, phase["mbit"])
+        payload = [b for x in per_round for b in x["payload"]]
+        iface = [b for x in per_round for b in x["iface"]]
+        def median(key: str, rounds=per_round):
+            return statistics.median(x[key] for x in rounds) if rounds else None
+
+        allreduce = median("allreduce_s")
+        rows.append(dict(
+            mbit=phase["mbit"], codec=phase["codec"], peers=peers, numel=numel, bytes_per_parameter=bpp,
+            s_codec_bytes=s_codec, limit_s=limit, allreduce_s=allreduce, round_s=median("round_s"),
+            matchmaking_s=median("matchmaking_s"), efficiency=limit / allreduce if allreduce else None,
+            split_limit_s=median("split_limit_s"),
+            allreduce_s_each_round=[x["allreduce_s"] for x in per_round],
+            ideal_payload_bytes_per_peer=2 * 2 * (peers - 1) / peers * s_codec,
+            payload_bytes_per_peer_mean=statistics.mean(payload) if payload else None,
+            payload_bytes_per_peer_peak=max(payload, default=None),
+            iface_bytes_per_peer_mean=statistics.mean(iface) if iface else None,
+            iface_bytes_per_peer_peak=max(iface, default=None),
+            rounds_ok=len(per_round), rounds=plan["rounds"],
+        ))
+    return rows
+
+
+def print_table(plan: dict, rows: list[dict]) -> None:
+    def num(value, fmt):
+        return format(value, fmt) if value is not None else "–"
+
+    def mb(value):
+        return num(value / 1e6 if value is not None else None, ".2f")
+
+    print(f"\n{plan['peers']} peers, S = {plan['numel'] * 4 / 1e6:g} MB fp32 ({plan['numel']:,} parameters), "
+          f"{plan['rounds']} rounds each; medians over the rounds; MB = 10^6 bytes, sent + received per peer per round\n")
+    print("| Mbit/s | codec | S_codec MB | limit s | all-reduce s | efficiency | split limit s | round s | "
+          "payload MB mean / peak (ideal) | eth0 MB mean / peak | rounds ok |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    for r in rows:
+        print(f"| {r['mbit']:g} | {r['codec']} | {r['s_codec_bytes'] / 1e6:.2f} | {r['limit_s']:.2f} | "
+              f"{num(r['allreduce_s'], '.2f')} | {num(r['efficiency'], '.2f')} | {num(r['split_limit_s'], '.2f')} | "
+              f"{num(r['round_s'], '.2f')} | "
+              f"{mb(r['payload_bytes_per_peer_mean'])} / {mb(r['payload_bytes_per_peer_peak'])} "
+              f"({mb(r['ideal_payload_bytes_per_peer'])}) | "
+              f"{mb(r['iface_bytes_per_peer_mean'])} / {mb(r['iface_bytes_per_peer_peak'])} | "
+              f"{r['rounds_ok']}/{r['rounds']} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mbit", default="20,100,1000", help="link rates in Mbit/s, comma-separated (each direction)")
+    parser.add_argument("--codecs", default="all", help="comma-separated codec names, or 'all'")
+    parser.add_argument("--peers", type=int, default=3, help="N, peers in the all-reduce (at least 2)")
+    parser.add_argument("--mbytes", type=float, default=16.0, help="S: fp32 size of the averaged tensor, in 10^6 bytes")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per rate and codec")
+    parser.add_argument("--burst-ms", type=float, default=2.0, help="tbf bucket, in ms of the rate (at least 64 KiB)")
+    parser.add_argument("--out", default="bench-out/allreduce-bandwidth")
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--ip", help=argparse.SUPPRESS)
+    parser.add_argument("--initial-peers", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:  # SIGTERM from the coordinator: run the worker's `finally`
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        return run_worker(args)
+
+    from p2p_diloco.sync.codecs import CODECS
+    from tests.netns import unavailable
+
+    codecs = list(CODECS) if args.codecs == "all" else [c.strip() for c in args.codecs.split(",") if c.strip()]
+    unknown = [c for c in codecs if c not in CODECS]
+    if unknown:
+        parser.error(f"unknown codec(s) {', '.join(unknown)}; valid: {', '.join(CODECS)}")
+    try:
+        rates = [float(x) for x in args.mbit.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--mbit {args.mbit!r}: expected numbers separated by commas")
+    if not rates or min(rates) <= 0 or args.peers < 2 or args.rounds < 1 or args.mbytes <= 0 or args.burst_ms <= 0:
+        parser.error("need rates > 0, --peers >= 2, --rounds >= 1, --mbytes > 0 and --burst-ms > 0")
+    if (why := unavailable()) is not None:
+        sys.exit(f"error: network namespaces are unavailable: {why}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = dict(peers=args.peers, numel=int(args.mbytes * 1e6 / 4), rounds=args.rounds,
+                matchmaking_time=MATCHMAKING_TIME_S, request_timeout=REQUEST_TIMEOUT_S, burst_ms=args.burst_ms,
+                phases=[dict(mbit=rate, codec=codec) for rate in rates for codec in codecs])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("error: stopped (SIGTERM)"))  # `finally` stops the peers
+    began = time.monotonic()
+    records = run(args, plan, out)
+    rows = summarize(plan, records)
+    (out / "results.json").write_text(json.dumps(dict(plan=plan, rows=rows, records=records), indent=2))
+    print_table(plan, rows)
+    print(f"\n{time.monotonic() - began:.0f} s in all; records under {out}")
+    if any(r["rounds_ok"] == 0 for r in rows):
+        sys.exit("error: some rate and codec had no complete round; see the peers' logs")
+
+
+if __name__ == "__main__":
+    main()
