@@ -143,8 +143,8 @@ class OuterConfig:
     fragments: int = int_at_least(1, 1)
     fragment_layout: str = one_of("strided", "strided", "sequential")
     # inner steps that run while a fragment's all-reduce is in flight, at most steps_per_outer / fragments − 1
-    # (a larger value is lowered to that, with a log line); 0 blocks until the all-reduce is done
-    sync_delay: int = int_at_least(5, 0)
+    # (a larger value is lowered to that, with a log line; -1 asks for that many); 0 blocks until it is done
+    sync_delay: int = int_at_least(5, -1)
     # θ_local ← α·θ_local + (1 − α)·θ_global for the synced fragment, once its outer step is applied
     merge_alpha: float = in_range(0.5, 0.0, 1.0)
 

@@ -120,3 +120,4 @@ def test_the_overlap_is_shorter_than_a_fragment_round():
     assert FragmentSchedule(fragments, steps_per_outer=6, sync_delay=5).sync_delay == 2
     assert FragmentSchedule(fragments, steps_per_outer=6, sync_delay=1).sync_delay == 1
     assert FragmentSchedule([[0, 1]], steps_per_outer=1, sync_delay=5).sync_delay == 0
+    assert FragmentSchedule(fragments, steps_per_outer=10, sync_delay=-1).sync_delay == 4  # the longest

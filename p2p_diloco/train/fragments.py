@@ -82,10 +82,12 @@ class FragmentSchedule:
     while it syncs (arXiv 2501.18512, §2: H/P and τ)."""
 
     def __init__(self, fragments: list[list[int]], steps_per_outer: int, sync_delay: int):
+        """`sync_delay` is τ, or -1 for the longest overlap the schedule allows."""
         self.fragments = fragments
         self.steps_per_sync = steps_per_outer // len(fragments)  # H / P
         # τ < H/P: one fragment in flight at a time, and each round trains at least one step of its own
-        self.sync_delay = min(sync_delay, self.steps_per_sync - 1)
+        longest = self.steps_per_sync - 1
+        self.sync_delay = longest if sync_delay < 0 else min(sync_delay, longest)
         if self.sync_delay < sync_delay:
             logger.info("outer.sync_delay = %d is lowered to %d: at most steps_per_outer / fragments - 1 inner steps "
                         "run while a fragment syncs", sync_delay, self.sync_delay)
