@@ -70,7 +70,7 @@ from typing import Callable, Iterable, Optional
 from p2p_diloco.demo import DEFAULT_CONFIG, cli_command, evaluate, start_bootstrap, stop_process
 from p2p_diloco.metrics import read_metrics
 from p2p_diloco.process_tree import (
-    command_name, descendant_pids, is_running, kill_tree, stop_processes, wait_gone,
+    command_name, descendant_pids, is_running, kill_tree, start_ticks, stop_processes, wait_gone,
 )
 
 logger = logging.getLogger("benchmarks.churn")
@@ -106,28 +106,20 @@ def prepare_tokenizer(config: Path) -> None:
 
 
 # ----- processes ----------------------------------------------------------------------------------
-def _start_ticks(pid: int) -> Optional[str]:
-    """The process's start time (clock ticks since boot): tells a PID from a later reuse of it."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 class ProcessLedger:
     """Every process this benchmark started or saw below one, so that none is left behind."""
 
     def __init__(self) -> None:
-        self._seen: dict[tuple[int, Optional[str]], str] = {}  # (pid, start ticks) -> command name
+        self._seen: dict[tuple[int, Optional[int]], str] = {}  # (pid, start ticks) -> command name
 
     def add(self, pids: Iterable[int]) -> None:
         for pid in pids:
-            self._seen.setdefault((pid, _start_ticks(pid)), command_name(pid))
+            self._seen.setdefault((pid, start_ticks(pid)), command_name(pid))
 
     def still_running(self) -> dict[int, str]:
         """PID -> command name of each noted process that still runs (not a later reuse of its PID)."""
         return {pid: name for (pid, ticks), name in self._seen.items()
-                if ticks is not None and is_running(pid) and _start_ticks(pid) == ticks}
+                if ticks is not None and is_running(pid) and start_ticks(pid) == ticks}
 
 
 def metrics_path(run_dir: Path, index: int) -> Path:

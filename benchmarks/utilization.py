@@ -71,7 +71,9 @@ sys.path.insert(0, str(REPO))
 
 from p2p_diloco.config import ConfigError, load_config  # noqa: E402
 from p2p_diloco.metrics import read_metrics  # noqa: E402
-from p2p_diloco.process_tree import TORCH_SHM_MANAGER, command_name, descendant_pids, is_running  # noqa: E402
+from p2p_diloco.process_tree import (  # noqa: E402
+    TORCH_SHM_MANAGER, command_name, descendant_pids, is_running, start_ticks,
+)
 from p2p_diloco.config import OuterConfig  # noqa: E402
 from p2p_diloco.sync.codecs import CODECS, bytes_per_parameter  # noqa: E402
 from tests.netns import Topology, unavailable  # noqa: E402
@@ -157,20 +159,12 @@ def count_parameters(config: Path) -> int:
 
 
 # ----- processes ----------------------------------------------------------------------------------
-def start_ticks(pid: int) -> Optional[str]:
-    """The process's start time (clock ticks since boot): tells a PID from a later reuse of it."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 class Processes:
     """The processes of one setting and every process seen below them; :meth:`stop` ends them all."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
-        self.seen: dict[int, Optional[str]] = {}  # descendant pid -> its start ticks
+        self.seen: dict[int, Optional[int]] = {}  # descendant pid -> its start ticks
 
     def start(self, argv: list[str], **kwargs) -> subprocess.Popen:
         proc = subprocess.Popen(argv, start_new_session=True, **kwargs)  # a Ctrl+C reaches only this script

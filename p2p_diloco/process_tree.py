@@ -40,6 +40,13 @@ def _stat_fields(pid: int) -> list[str] | None:
         return None
 
 
+def start_ticks(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (field 22 of /proc/PID/stat), or None if it
+    is gone: a PID with the same start ticks is the same process, not a later reuse of the PID."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None else None
+
+
 def command_name(pid: int) -> str:
     """The process's command name (at most 15 characters, as the kernel keeps it), or "" if it is gone."""
     try:

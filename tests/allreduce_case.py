@@ -37,12 +37,6 @@ ROUND_WAIT_S = 100.0
 START = "5" * 64  # the sha256 of the global state every peer starts from
 
 
-def start_time(pid: int) -> int | None:
-    """When the process started, in clock ticks since boot (field 22 of /proc/PID/stat); None if it is gone."""
-    fields = process_tree._stat_fields(pid)
-    return int(fields[19]) if fields is not None else None
-
-
 def average_once(codec: str, inputs: list[list[torch.Tensor]], samples: list[int]) -> dict:
     shapes = [t.shape for t in inputs[0]]
     dhts, syncs = [], []
@@ -92,7 +86,7 @@ def average_once(codec: str, inputs: list[list[torch.Tensor]], samples: list[int
         "sent": [sent for sent, _ in traffic],
         "received": [received for _, received in traffic],
         # [pid, start time]: a PID alone may be a new process's by the time the test looks
-        "children": [[pid, start_time(pid)] for pid in children],
+        "children": [[pid, process_tree.start_ticks(pid)] for pid in children],
     }
 
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from p2p_diloco.hashing import tensors_sha256
-from p2p_diloco.process_tree import command_name, is_running, kill_tree, wait_gone
+from p2p_diloco.process_tree import command_name, is_running, kill_tree, start_ticks, wait_gone
 from p2p_diloco.sync.codecs import CODECS, bytes_per_parameter
-from tests.allreduce_case import start_time
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
@@ -33,7 +32,7 @@ def still_running(processes: list[list[int]], timeout_s: float) -> list[int]:
     process, not a new one that got its PID."""
     deadline = time.monotonic() + timeout_s
     while True:
-        left = [pid for pid, started in processes if is_running(pid) and start_time(pid) == started]
+        left = [pid for pid, started in processes if is_running(pid) and start_ticks(pid) == started]
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.1)

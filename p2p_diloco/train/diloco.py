@@ -64,18 +64,22 @@ class Contribution:
     (its weight in the group's mean); and the loss of the inner steps since the last outer_step record."""
 
     def __init__(self, num_fragments: int):
-        self.samples = [0] * num_fragments
+        self.total_samples = 0  # of every inner step since θ_local was last set from θ_global
+        self._synced = [0] * num_fragments  # total_samples already in each fragment's θ_global
         self.loss_sum = 0.0
         self.steps = 0
 
     def add(self, loss: float, samples: int) -> None:
-        self.samples = [s + samples for s in self.samples]
+        self.total_samples += samples
         self.loss_sum += loss
         self.steps += 1
 
+    def samples(self, fragment: int) -> int:
+        return self.total_samples - self._synced[fragment]
+
     def synced(self, fragment: int, samples: int) -> float:
         """`samples` of `fragment` are in θ_global now; returns the mean loss since the last call."""
-        self.samples[fragment] -= samples
+        self._synced[fragment] += samples
         mean_loss = self.loss_sum / max(self.steps, 1)
         self.loss_sum, self.steps = 0.0, 0
         return mean_loss
@@ -219,10 +223,10 @@ class DiLoCoPeer:
         background while the next τ inner steps run (Streaming DiLoCo's overlap)."""
         step = self.global_model.outer_step
         fragment = self.schedule.fragment_at(step)
-        self.progress.publish(step, self.sha256, TRAINING, self.contribution.samples[fragment])
+        self.progress.publish(step, self.sha256, TRAINING, self.contribution.samples(fragment))
         if not self._train_round(step):
             return
-        samples = self.contribution.samples[fragment]
+        samples = self.contribution.samples(fragment)
         self.progress.publish(step, self.sha256, READY, samples)
         pseudo_gradient = self.global_model.pseudo_gradient(self.local_params, self.schedule.fragments[fragment])
         sync = functools.partial(self._sync, step, fragment, pseudo_gradient, samples)
