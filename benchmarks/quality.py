@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -55,7 +54,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from p2p_diloco.config import Config, config_from_dict, run_fingerprint
+from p2p_diloco.config import Config, config_from_dict, shared_settings
 from p2p_diloco.metrics import MetricsWriter
 from p2p_diloco.node_runner import setup_logging
 from p2p_diloco.swarm.node import start_run_node, visible_maddrs
@@ -303,7 +302,7 @@ def swarm_consistency(histories: Sequence[GlobalModelHistory], num_peers: int) -
 
 def run_diloco(cfg: Config, data: TextData, num_peers: int, outer_steps: int) -> MethodResult:
     nodes = start_swarm(cfg.run.name, num_peers)
-    fingerprint = run_fingerprint(cfg, tokenizer_sha256(data.tokenizer))
+    settings = shared_settings(cfg, tokenizer_sha256(data.tokenizer))
     stop = threading.Event()
     try:
         peers, histories = [], []
@@ -311,8 +310,8 @@ def run_diloco(cfg: Config, data: TextData, num_peers: int, outer_steps: int) ->
             model = build_model(cfg.model, data.vocab_size, cfg.run.seed)
             seed = order_seed(cfg.run.seed, f"bench-{index}")
             history = GlobalModelHistory(node.dht.peer_id.to_base58())
-            peer = DiLoCoPeer(cfg, model, functools.partial(data.peer_batches, cfg.inner.batch_size, seed), node,
-                              fingerprint, metrics=history, stop_event=stop)
+            peer = DiLoCoPeer(cfg, model, data.for_peer(cfg.inner.batch_size, seed), node, settings, metrics=history,
+                              stop_event=stop)
             history.watch(peer.global_model)
             peers.append(peer)
             histories.append(history)

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -140,7 +139,7 @@ def worker_main(argv: list[str]) -> None:
 
     import torch
 
-    from p2p_diloco.config import config_from_dict, run_fingerprint
+    from p2p_diloco.config import config_from_dict, shared_settings
     from p2p_diloco.node_runner import setup_logging, shutdown_dht
     from p2p_diloco.process_tree import children_exit_with_this_process
     from p2p_diloco.swarm.node import start_run_node
@@ -154,21 +153,21 @@ def worker_main(argv: list[str]) -> None:
     install_stop_handlers(stop)
     cfg = config_from_dict(json.loads((workdir / "config.json").read_text()))
     data = TextData(cfg.data)
-    fingerprint = run_fingerprint(cfg, tokenizer_sha256(data.tokenizer))
+    settings = shared_settings(cfg, tokenizer_sha256(data.tokenizer))
     model = build_model(cfg.model, data.vocab_size, cfg.run.seed, cfg.data.seq_len)
     seed = order_seed(cfg.run.seed, f"wallclock-{args.index}")  # peer i's data order, the same for every method
     children_exit_with_this_process()
     node = start_run_node(cfg.run.name, args.host, 0, initial_peers=[args.initial_peer])
     try:
         run = run_data_parallel_peer if args.method == "dp" else run_diloco_peer
-        result, final_params = run(args, cfg, data, model, seed, node, fingerprint, workdir, stop)
+        result, final_params = run(args, cfg, data, model, seed, node, settings, workdir, stop)
         torch.save([t.detach().clone() for t in final_params], workdir / f"model-{args.index}.pt")
         (workdir / f"result-{args.index}.json").write_text(json.dumps(result, indent=2))
     finally:
         shutdown_dht(node.dht)
 
 
-def run_data_parallel_peer(args, cfg, data, model, seed, node, fingerprint, workdir, stop):
+def run_data_parallel_peer(args, cfg, data, model, seed, node, settings, workdir, stop):
     """Synchronous data-parallel: per step, this peer's gradient, the group's exact mean, one AdamW step."""
     import torch
 
@@ -184,8 +183,10 @@ def run_data_parallel_peer(args, cfg, data, model, seed, node, fingerprint, work
     outer_sync.averager_timeouts = lambda s: {**timeouts(s), "min_group_size": args.peers,
                                               "target_group_size": args.peers}
     params = trainable_parameters(model)
-    sync = OuterSync(node.dht, cfg.run.name, fingerprint, node.identity.record_subkey, [p.shape for p in params],
-                     cfg.swarm, state_provider=lambda: ({}, []), codec="none")
+    from p2p_diloco.config import settings_fingerprint
+
+    sync = OuterSync(node.dht, cfg.run.name, settings_fingerprint(settings), node.identity.record_subkey,
+                     [p.shape for p in params], cfg.swarm, state_provider=lambda: ({}, []), codec="none")
     optimizer = make_inner_optimizer(params, cfg.inner, torch.device("cpu"))
     scheduler = make_inner_scheduler(optimizer, cfg.inner)
     batches = data.peer_batches(cfg.inner.batch_size, seed)
@@ -248,15 +249,14 @@ def run_data_parallel_peer(args, cfg, data, model, seed, node, fingerprint, work
                 bytes_sent=traffic.sent, bytes_received=traffic.received), params
 
 
-def run_diloco_peer(args, cfg, data, model, seed, node, fingerprint, workdir, stop):
+def run_diloco_peer(args, cfg, data, model, seed, node, settings, workdir, stop):
     """A DiLoCoPeer, as the `peer` command runs it, stopped at the deadline; returns θ_global."""
     from p2p_diloco.metrics import MetricsWriter, read_metrics
     from p2p_diloco.train.diloco import DiLoCoPeer
 
     metrics_path = workdir / f"metrics-{args.index}.jsonl"
     metrics = MetricsWriter(metrics_path, node.dht.peer_id.to_base58())
-    peer = DiLoCoPeer(cfg, model, functools.partial(data.peer_batches, cfg.inner.batch_size, seed), node,
-                      fingerprint, metrics, stop_event=stop)
+    peer = DiLoCoPeer(cfg, model, data.for_peer(cfg.inner.batch_size, seed), node, settings, metrics, stop_event=stop)
     install_stop_handlers(stop)  # again: nothing that started since may keep SIGINT from us
     (workdir / f"ready-{args.index}").touch()
     start, deadline = wait_for_go(workdir, stop)

@@ -45,9 +45,11 @@ def main():
     """Train a transformers language model with DiLoCo across peers that meet on a hivemind DHT.
 
     \b
-    Host a swarm:    p2p-diloco bootstrap --port 31337 --identity-path bootstrap.key
-    Join it:         p2p-diloco peer --config peers/demo.toml --initial-peers /ip4/.../p2p/...
     Try it offline:  p2p-diloco demo
+    Join a run:      p2p-diloco join peers/llama-150m-c4.toml   (a run manifest: settings + bootstrap nodes)
+    See a swarm:     p2p-diloco status --initial-peers /ip4/.../p2p/...
+    Host a swarm:    p2p-diloco bootstrap --port 31337 --identity-path bootstrap.key
+    Any config:      p2p-diloco peer --config my-run.toml --initial-peers /ip4/.../p2p/...
     """
 
 
@@ -69,34 +71,99 @@ def bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, as
     sys.exit(run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist, assist_max_params))
 
 
+def _training_options(fn):
+    """Flags shared by `peer` and `join`: what a training peer writes, how long it runs, where it computes."""
+    options = [
+        click.option("--metrics-file", default=None, type=click.Path(dir_okay=False),
+                     help="Append one JSON record per event (join, outer_step, state_loaded, exit) to this file."),
+        click.option("--checkpoint-dir", default=None, type=click.Path(file_okay=False),
+                     help="Save a checkpoint here at every outer step and resume from it on restart "
+                          "(overrides swarm.checkpoint_dir)."),
+        click.option("--max-outer-steps", default=None, type=click.IntRange(1),
+                     help="Exit cleanly once the global model has taken this many outer steps."),
+        click.option("--device", default="auto", show_default=True,
+                     help="Torch device for the inner loop: auto (cuda if available), cpu, cuda, cuda:1, ..."),
+        click.option("--wait-for-peers", default=1, show_default=True, type=click.IntRange(1),
+                     help="Before training, wait until this many peers (this one included) are in the swarm, at "
+                          "most swarm.start_wait_timeout seconds; for peers started together, so none trains alone."),
+        click.option("--tensorboard", default=None, type=click.Path(file_okay=False), metavar="DIR",
+                     help="Also log the metrics' numbers as TensorBoard scalars in DIR "
+                          "(needs: pip install 'p2p-diloco[tensorboard]')."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _peer_options(**values):
+    from p2p_diloco.node_runner import PeerOptions
+
+    return PeerOptions(**values)
+
+
 @main.command()
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
               help="Run config (TOML); every peer of a run must use the same file. See peers/.")
 @_network_options(default_port=0)
-@click.option("--metrics-file", default=None, type=click.Path(dir_okay=False),
-              help="Append one JSON record per event (join, outer_step, state_loaded, exit) to this file.")
-@click.option("--checkpoint-dir", default=None, type=click.Path(file_okay=False),
-              help="Save a checkpoint here at every outer step and resume from it on restart "
-                   "(overrides swarm.checkpoint_dir).")
-@click.option("--max-outer-steps", default=None, type=click.IntRange(1),
-              help="Exit cleanly once the global model has taken this many outer steps.")
-@click.option("--device", default="auto", show_default=True,
-              help="Torch device for the inner loop: auto (cuda if available), cpu, cuda, cuda:1, ...")
-@click.option("--wait-for-peers", default=1, show_default=True, type=click.IntRange(1),
-              help="Before training, wait until this many peers (this one included) are in the swarm, at "
-                   "most swarm.start_wait_timeout seconds; for peers started together, so none trains alone.")
-def peer(config_path, host, port, announce_ip, identity_path, initial_peers, verbose, metrics_file,
-         checkpoint_dir, max_outer_steps, device, wait_for_peers):
+@_training_options
+def peer(config_path, **options):
     """Join a swarm and train with DiLoCo until stopped (Ctrl+C / SIGTERM leaves cleanly).
 
-    At start-up the peer asks its initial peers to dial it back. If they cannot (NAT, firewall), it
+    Bootstrap addresses come from --initial-peers, or else from the config's swarm.initial_peers. At
+    start-up the peer asks its initial peers to dial it back. If they cannot (NAT, firewall), it
     averages as a client, dialing every connection itself, and says so in one line with the flags
-    that would make it reachable (docs/network.md).
+    that would make it reachable (docs/network.md). It exits with status 4 when the run's peers
+    train with other settings (it names the ones that differ): it could never average with them.
+
+    On a terminal, a progress bar shows the inner steps toward the next sync; otherwise a log line
+    every 30 s does.
     """
     from p2p_diloco.node_runner import run_peer
 
-    sys.exit(run_peer(config_path, host, port, announce_ip, identity_path, initial_peers, verbose,
-                      metrics_file, checkpoint_dir, max_outer_steps, device, wait_for_peers))
+    sys.exit(run_peer(config_path, _peer_options(**options)))
+
+
+@main.command()
+@click.argument("manifest")
+@click.option("--state-dir", default=None, type=click.Path(file_okay=False),
+              help="Where this peer keeps its identity key, checkpoint and metrics, so that a restart continues "
+                   "(default: ~/.local/share/p2p-diloco/<run name>). Two peers on one machine need two.")
+@_network_options(default_port=0)
+@_training_options
+def join(manifest, state_dir, **options):
+    """Join the public run described by MANIFEST and train until stopped.
+
+    MANIFEST is a run file (a path), or the name of one shipped in peers/ (e.g. `demo`): the run's
+    settings, its name on the DHT and its bootstrap addresses (swarm.initial_peers; --initial-peers
+    replaces them). Run it again with the same --state-dir to continue where the peer stopped.
+
+    \b
+    Try it on one machine (the demo run's bootstrap node listens on 127.0.0.1:31337):
+      p2p-diloco bootstrap --host 127.0.0.1 --port 31337 --identity-path bootstrap/demo-bootstrap.key
+      p2p-diloco join demo --host 127.0.0.1
+      p2p-diloco join demo --host 127.0.0.1 --state-dir /tmp/second-peer
+    """
+    from p2p_diloco.node_runner import run_join
+
+    sys.exit(run_join(manifest, state_dir, _peer_options(**options)))
+
+
+@main.command()
+@click.option("--initial-peers", multiple=True, metavar="MULTIADDR", required=True,
+              help="Multiaddr of a swarm member (a bootstrap node). Repeat for several.")
+@click.option("--run", "run_name", default=None, help="Only this run (its run.name); default: every run found.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def status(initial_peers, run_name, as_json, verbose):
+    """Show the peers of a swarm: outer step, phase, throughput, loss, reachability, device, version.
+
+    Reads the status records the peers publish on the DHT (signed; a malformed one is skipped with a
+    warning) and asks each peer that others can dial whether it answers now. Starts a DHT client that
+    stores nothing and leaves when done.
+    """
+    from p2p_diloco.status_command import run_status
+
+    sys.exit(run_status(initial_peers, run_name, as_json, verbose))
 
 
 @main.command()

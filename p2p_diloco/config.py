@@ -103,10 +103,19 @@ class DataConfig:
     hub_split: str = text("train", r"\S+", "a split name")
     text_column: str = text("text", r"\S+", "a column name")
     tokenizer: str = text("local-bpe", r"\S+", "'local-bpe' (trained on the corpus) or a hub tokenizer name")
+    # the local BPE's vocabulary; a hub tokenizer brings its own, and the model embeds what the tokenizer
+    # emits (a llama is built to its size, a hub model is resized to it), so this value goes unused then
     vocab_size: int = int_at_least(1024, 260)
     seq_len: int = int_at_least(64, 8)
     holdout_fraction: float = in_range(0.05, 0.0, 0.5)
     max_documents: int = int_at_least(0, 0)
+    # a local BPE learns from at most this many training documents (of a hub stream: its first ones, in
+    # stored order and unsharded, so every peer trains the same tokenizer without reading the whole stream)
+    tokenizer_documents: int = int_at_least(20_000, 1)
+    # disjoint parts a hub stream is split into (datasets' split_dataset_by_node); each peer reads one that
+    # no live peer reads, and resumes it from its checkpoint. Ignored for pydoc and files: every peer reads
+    # the whole small corpus, each in its own order
+    shards: int = int_at_least(64, 1)
 
 
 @dataclass(frozen=True)
@@ -163,6 +172,8 @@ class SwarmConfig:
     progress_ttl: float = positive(60.0)
     start_wait_timeout: float = non_negative(120.0)
     checkpoint_dir: str = text("", allowed="a directory path ('' disables checkpoints)")
+    # multiaddrs of the run's bootstrap nodes, used when --initial-peers is not given (a run manifest names them)
+    initial_peers: list = string_list([])
 
 
 @dataclass(frozen=True)
@@ -290,19 +301,46 @@ def load_config(path: str | Path) -> Config:
     return cfg
 
 
-def run_fingerprint(cfg: Config, tokenizer_sha256: str) -> str:
-    """sha256 of the settings every peer of a run must share, and of the tokenizer it trains with.
+def shared_settings(cfg: Config, tokenizer_sha256: str) -> dict[str, Any]:
+    """The settings every peer of a run must share, flat (``{"inner.lr": 0.001, ...}``), with the sha256
+    of the tokenizer it trains with.
 
-    Peers with different fingerprints must not average: their parameters mean different things
-    (model, tokenizer), or their pseudo-gradients come from different optimisation problems (data,
-    inner and outer optimizer, seed). Left out: timeouts and other `[swarm]` values (each peer's
-    own), the local paths of data files (the corpus shows in a locally trained tokenizer), and how a
-    peer splits its batch into micro-batches (only batch_size × grad_accumulation counts).
+    Peers whose settings differ must not average: their parameters mean different things (model,
+    tokenizer), or their pseudo-gradients come from different optimisation problems (data, inner and
+    outer optimizer, seed). Left out: timeouts and other `[swarm]` values (each peer's own), the
+    local paths of data files (the corpus shows in a locally trained tokenizer), and how a peer splits
+    its batch into micro-batches (only batch_size × grad_accumulation counts). Peers publish these in
+    their status records, so a peer that finds the run on other settings can name the ones that differ.
     """
     inner = dataclasses.asdict(cfg.inner)
     inner["samples_per_step"] = inner.pop("batch_size") * inner.pop("grad_accumulation")
     data = dataclasses.asdict(cfg.data)
     data.pop("paths")
-    shared = dict(run=dataclasses.asdict(cfg.run), model=dataclasses.asdict(cfg.model), data=data, inner=inner,
-                  outer=dataclasses.asdict(cfg.outer), tokenizer_sha256=tokenizer_sha256)
-    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()
+    sections = dict(run=dataclasses.asdict(cfg.run), model=dataclasses.asdict(cfg.model), data=data, inner=inner,
+                    outer=dataclasses.asdict(cfg.outer))
+    flat = {f"{section}.{key}": value for section, values in sections.items() for key, value in values.items()}
+    return {**flat, "tokenizer_sha256": tokenizer_sha256}
+
+
+def settings_fingerprint(settings: Mapping[str, Any]) -> str:
+    """sha256 of :func:`shared_settings`: peers of one run have one fingerprint."""
+    return hashlib.sha256(json.dumps(dict(settings), sort_keys=True).encode()).hexdigest()
+
+
+def run_fingerprint(cfg: Config, tokenizer_sha256: str) -> str:
+    """The fingerprint of this config's shared settings with this tokenizer (see :func:`shared_settings`)."""
+    return settings_fingerprint(shared_settings(cfg, tokenizer_sha256))
+
+
+def settings_differences(mine: Mapping[str, Any], theirs: Mapping[str, Any], limit: int = 3) -> list[str]:
+    """``["inner.lr = 0.005 here, 0.001 there", ...]``: the first `limit` settings that differ, by name."""
+    names = sorted(set(mine) | set(theirs), key=lambda name: (name == "tokenizer_sha256", name))
+    differing = [name for name in names if mine.get(name) != theirs.get(name)]
+
+    def show(value: Any) -> str:
+        return "(unset)" if value is None else (value[:12] if isinstance(value, str) and len(value) == 64 else repr(value))
+
+    described = [f"{name} = {show(mine.get(name))} here, {show(theirs.get(name))} there" for name in differing[:limit]]
+    if len(differing) > limit:
+        described.append(f"and {len(differing) - limit} more")
+    return described

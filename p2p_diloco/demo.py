@@ -80,12 +80,58 @@ def start_peer(
     )
 
 
-def wait_all(procs: list[subprocess.Popen], deadline: float) -> bool:
+def wait_all(procs: list[subprocess.Popen], deadline: float, progress: Optional["DemoProgress"] = None) -> bool:
     while time.monotonic() < deadline:
+        if progress is not None:
+            progress.update()
         if all(p.poll() is not None for p in procs):
             return True
         time.sleep(1.0)
     return False
+
+
+def describe_swarm_progress(steps_by_peer: list[list[dict]], outer_steps: int) -> str:
+    """``demo: outer step 3/16 (peers at 3-4), loss 5.830``: the slowest peer's outer steps, the
+    spread, and the newest outer step's mean training loss."""
+    done = [records[-1]["outer_step"] if records else 0 for records in steps_by_peer]
+    text = f"demo: outer step {min(done)}/{outer_steps}"
+    if max(done) != min(done):
+        text += f" (peers at {min(done)}-{max(done)})"
+    newest = max((records[-1] for records in steps_by_peer if records), key=lambda r: r["time"], default=None)
+    if newest is not None:
+        text += f", loss {newest['loss']:.3f}"
+    return text
+
+
+class DemoProgress:
+    """The swarm's progress while the demo runs, from the peers' metrics files: a bar on a terminal,
+    otherwise a line whenever it changes (at most every `interval_s`)."""
+
+    def __init__(self, metrics_files: list[Path], outer_steps: int, stream=None, interval_s: float = 5.0):
+        self.metrics_files, self.outer_steps, self.interval_s = metrics_files, outer_steps, interval_s
+        self.stream = stream or sys.stdout
+        self._bar = None
+        if self.stream.isatty():
+            from p2p_diloco.train.display import terminal_bar
+
+            self._bar = terminal_bar(self.stream, total=outer_steps, desc="demo: outer steps", unit="step")
+        self._shown, self._next = "", 0.0
+
+    def update(self, final: bool = False) -> None:
+        steps = [[r for r in read_metrics(path) if r["event"] == "outer_step"] if path.exists() else []
+                 for path in self.metrics_files]
+        text = describe_swarm_progress(steps, self.outer_steps)
+        if self._bar is not None:
+            done = min((records[-1]["outer_step"] if records else 0) for records in steps)
+            self._bar.update(done - self._bar.n)
+            self._bar.set_postfix_str(text.split(", ", 1)[1] if ", " in text else "")
+        elif text != self._shown and (final or time.monotonic() >= self._next):
+            print(text, file=self.stream, flush=True)
+            self._shown, self._next = text, time.monotonic() + self.interval_s
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def evaluate(config_path: Path, checkpoint_dirs: list[Path]) -> tuple[float, Optional[float]]:
@@ -190,7 +236,10 @@ def run_demo(num_peers: int, outer_steps: int, config_path: Optional[str], out: 
         logger.info("bootstrap node at %s; starting %d peers", maddr, num_peers)
         # the peers start together and wait for each other, so that none takes its first steps alone
         peers = [start_peer(config, maddr, out_dir, i, outer_steps, num_peers) for i in range(num_peers)]
-        finished = wait_all(peers, started + timeout_s)
+        progress = DemoProgress([out_dir / f"peer-{i}.metrics.jsonl" for i in range(num_peers)], outer_steps)
+        finished = wait_all(peers, started + timeout_s, progress)
+        progress.update(final=True)
+        progress.close()
         if not finished:
             logger.error("peers did not finish within %d s; stopping them", timeout_s)
     finally:

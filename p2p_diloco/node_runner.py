@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 logger = logging.getLogger("p2p_diloco")
 
 EXIT_OK, EXIT_USAGE, EXIT_UNREACHABLE = 0, 2, 3
+EXIT_OTHER_SETTINGS = 4  # the run's peers train with other settings: this peer can never average with them
 
 
 def setup_logging(verbose: bool) -> None:
@@ -57,7 +61,7 @@ def skip_final_garbage_collection() -> None:
     gc.freeze()
 
 
-def _fail(message: str, code: int) -> int:
+def fail(message: str, code: int) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
 
@@ -84,9 +88,9 @@ def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose
         identity = Identity.load_or_create(identity_path)
         dht = start_dht(host, port, identity, node_validators(identity), announce_ip, initial_peers)
     except (NodeAddressError, IdentityError) as e:
-        return _fail(str(e), EXIT_USAGE)
+        return fail(str(e), EXIT_USAGE)
     except ConnectionError as e:
-        return _fail(str(e), EXIT_UNREACHABLE)
+        return fail(str(e), EXIT_UNREACHABLE)
     try:
         print_maddrs(dht)
         logger.info("bootstrap node is up; give peers one of the addresses above as --initial-peers")
@@ -127,76 +131,132 @@ def _pick_device(name: str):
 
 
 def _prepare_training(cfg, peer_id: str, device):
-    """The model, the fingerprint of the run's settings, and this peer's data stream from a batch position.
+    """The model, the run settings every peer must share, and this peer's data (opened when it joins).
 
-    Raises DataError or ConfigError (one line for the user) before the peer joins the swarm: the data
-    stream from batch 0 is created here, so a corpus too small for one batch is found at once.
+    Raises DataError or ConfigError (one line for the user) before the peer joins the swarm.
     """
-    from p2p_diloco.config import run_fingerprint
+    from p2p_diloco.config import shared_settings
     from p2p_diloco.train.data import TextData, order_seed, tokenizer_sha256
     from p2p_diloco.train.fragments import model_fragments
-    from p2p_diloco.train.model import build_model
+    from p2p_diloco.train.model import build_model, check_vocabulary_fits
 
     data = TextData(cfg.data)
-    seed = order_seed(cfg.run.seed, peer_id)
-    first_stream = {0: data.peer_batches(cfg.inner.batch_size, seed)}
-
-    def batches_from(position: int):
-        return first_stream.pop(position, None) or data.peer_batches(cfg.inner.batch_size, seed, position)
-
     model = build_model(cfg.model, data.vocab_size, cfg.run.seed, cfg.data.seq_len).to(device)
+    check_vocabulary_fits(model, data.tokenizer, cfg.model.name, cfg.data.tokenizer)
     model_fragments(model, cfg.outer)  # a hub model with fewer blocks than outer.fragments stops here
-    return model, run_fingerprint(cfg, tokenizer_sha256(data.tokenizer)), batches_from
+    peer_data = data.for_peer(cfg.inner.batch_size, order_seed(cfg.run.seed, peer_id))
+    if data.train is not None:  # in memory: a corpus too small for one batch is found now, before joining
+        peer_data.open(0, None)
+    return model, shared_settings(cfg, tokenizer_sha256(data.tokenizer)), peer_data
 
 
-def run_peer(config_path, host, port, announce_ip, identity_path, initial_peers, verbose,
-             metrics_file, checkpoint_dir, max_outer_steps, device_name, wait_for_peers: int = 1) -> int:
-    setup_logging(verbose)
+@dataclass
+class PeerOptions:
+    """What the `peer` and `join` commands take beyond the run config (see their --help)."""
+
+    host: str = "0.0.0.0"
+    port: int = 0
+    announce_ip: Optional[str] = None
+    identity_path: Optional[str] = None
+    initial_peers: Sequence[str] = ()  # replace the config's swarm.initial_peers when given
+    verbose: bool = False
+    metrics_file: Optional[str] = None
+    checkpoint_dir: Optional[str] = None  # overrides swarm.checkpoint_dir
+    max_outer_steps: Optional[int] = None
+    device: str = "auto"
+    wait_for_peers: int = 1
+    tensorboard: Optional[str] = None
+
+
+def _initial_peers(cfg, options: PeerOptions, config_path) -> list[str]:
+    """--initial-peers, else the config's (a manifest's) swarm.initial_peers; both checked."""
+    from p2p_diloco.swarm.node import parse_initial_peers
+
+    if options.initial_peers:
+        return parse_initial_peers(options.initial_peers)
+    return parse_initial_peers(cfg.swarm.initial_peers, where=f"swarm.initial_peers in {config_path}:")
+
+
+def run_peer(config_path, options: PeerOptions) -> int:
+    setup_logging(options.verbose)
     from p2p_diloco.config import ConfigError, load_config
     from p2p_diloco.process_tree import children_exit_with_this_process
-    from p2p_diloco.swarm.node import NodeAddressError, parse_initial_peers
+    from p2p_diloco.swarm.node import NodeAddressError
 
     try:
         cfg = load_config(config_path)
-        if checkpoint_dir:
-            cfg = cfg.replace(swarm={"checkpoint_dir": checkpoint_dir})
-        parse_initial_peers(initial_peers)
-        device = _pick_device(device_name)
+        if options.checkpoint_dir:
+            cfg = cfg.replace(swarm={"checkpoint_dir": str(options.checkpoint_dir)})
+        initial_peers = _initial_peers(cfg, options, config_path)
+        device = _pick_device(options.device)
     except (ConfigError, NodeAddressError, ValueError, RuntimeError) as e:
-        return _fail(str(e), EXIT_USAGE)
+        return fail(str(e), EXIT_USAGE)
 
+    from p2p_diloco.config import settings_fingerprint
     from p2p_diloco.metrics import MetricsWriter
     from p2p_diloco.swarm.identity import Identity, IdentityError
     from p2p_diloco.swarm.node import start_run_node
     from p2p_diloco.train.data import DataError
-    from p2p_diloco.train.diloco import DiLoCoPeer
+    from p2p_diloco.train.diloco import DiLoCoPeer, RunSettingsMismatch
+    from p2p_diloco.train.display import InnerProgress
 
     try:
-        identity = Identity.load_or_create(identity_path)
-        model, fingerprint, batches_from = _prepare_training(cfg, identity.peer_id, device)
-    except (IdentityError, DataError, ConfigError) as e:
-        return _fail(str(e), EXIT_USAGE)
+        identity = Identity.load_or_create(options.identity_path)
+        metrics = MetricsWriter(options.metrics_file, identity.peer_id, tensorboard_dir=options.tensorboard)
+        model, settings, peer_data = _prepare_training(cfg, identity.peer_id, device)
+    except (IdentityError, DataError, ConfigError, ValueError) as e:
+        return fail(str(e), EXIT_USAGE)
     children_exit_with_this_process()
     try:
-        node = start_run_node(cfg.run.name, host, port, identity, announce_ip, initial_peers)
+        node = start_run_node(cfg.run.name, options.host, options.port, identity, options.announce_ip, initial_peers)
     except NodeAddressError as e:
-        return _fail(str(e), EXIT_USAGE)
+        return fail(str(e), EXIT_USAGE)
     except ConnectionError as e:
-        return _fail(str(e), EXIT_UNREACHABLE)
+        return fail(str(e), EXIT_UNREACHABLE)
     dht = node.dht
+    error: Optional[tuple[str, int]] = None
     try:
         print_maddrs(dht, prefix="peer reachable at ")
-        summary = node.reachability.summary(port)
+        summary = node.reachability.summary(options.port)
         print(summary, flush=True)
-        logger.info("run %r, settings fingerprint %s", cfg.run.name, fingerprint[:16])
-        metrics = MetricsWriter(metrics_file, identity.peer_id)
+        logger.info("run %r, settings fingerprint %s", cfg.run.name, settings_fingerprint(settings)[:16])
         metrics.write("reachability", reachability=node.reachability.mode, detail=node.reachability.detail,
                       reduces=node.reachability.can_reduce, summary=summary)
-        trainer = DiLoCoPeer(cfg, model, batches_from, node, fingerprint, metrics, stop_event=install_stop_handlers())
-        trainer.run(max_outer_steps, wait_for_peers)
+        trainer = DiLoCoPeer(cfg, model, peer_data, node, settings, metrics, stop_event=install_stop_handlers(),
+                             display=InnerProgress())
+        try:
+            trainer.run(options.max_outer_steps, options.wait_for_peers)
+        except RunSettingsMismatch as e:
+            error = (str(e), EXIT_OTHER_SETTINGS)
+        except DataError as e:
+            error = (str(e), EXIT_USAGE)
         metrics.close()
     finally:
         shutdown_dht(dht)
     logger.info("peer stopped")
     skip_final_garbage_collection()
-    return EXIT_OK
+    return fail(*error) if error else EXIT_OK  # the error is the last line the user sees
+
+
+def run_join(manifest: str, state_dir: Optional[str], options: PeerOptions) -> int:
+    """`peer` on a run manifest, with this peer's identity, checkpoint and metrics in its state directory."""
+    from p2p_diloco.config import ConfigError, load_config
+    from p2p_diloco.manifest import ManifestError, default_state_dir, find_manifest, lock_state_dir
+
+    try:
+        path = find_manifest(manifest)
+        cfg = load_config(path)
+        if not cfg.swarm.initial_peers and not options.initial_peers:
+            raise ManifestError(f"{path} names no bootstrap node (swarm.initial_peers): pass --initial-peers")
+        state = lock_state_dir(state_dir or default_state_dir(cfg.run.name))
+    except (ConfigError, ManifestError) as e:
+        setup_logging(options.verbose)
+        return fail(str(e), EXIT_USAGE)
+    print(f"joining run {cfg.run.name!r} from {path}; this peer's state is in {state.path}", flush=True)
+    options = dataclasses.replace(
+        options,
+        identity_path=options.identity_path or str(state.identity_path),
+        checkpoint_dir=options.checkpoint_dir or str(state.checkpoint_dir),
+        metrics_file=options.metrics_file or str(state.metrics_file),
+    )
+    return run_peer(path, options)

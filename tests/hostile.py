@@ -37,7 +37,7 @@ from p2p_diloco.config import load_config, run_fingerprint
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.process_tree import children_exit_with_this_process
 from p2p_diloco.swarm.identity import owner_peer_id
-from p2p_diloco.swarm.records import progress_key, rounds_key
+from p2p_diloco.swarm.records import progress_key, rounds_key, runs_key, status_key
 from p2p_diloco.sync.outer_sync import averager_prefix, group_bits
 from p2p_diloco.train.data import TextData, tokenizer_sha256
 from p2p_diloco.train.model import build_model, trainable_parameters
@@ -115,11 +115,26 @@ def write_records(args, stop: threading.Event) -> None:
         victim_key: dict(reports=[report]),  # a forged failure report in another peer's name
         b"no owner": dict(reports=[report]),
     }
+    well_formed = dict(outer_step=1, phase="training", inner_steps=5, samples_per_s=1.0, loss=None,
+                       reachability="direct", version="0", device="cpu", uptime_s=1.0, data_shard=None,
+                       fingerprint=fingerprint, settings={}, time=time.time())
+    status = {  # malformed or forged: `p2p-diloco status` must skip each, and show the honest peers
+        mine + b"#string-step": {**well_formed, "outer_step": "9"},
+        mine + b"#nan-loss": {**well_formed, "loss": float("nan")},
+        mine + b"#too-many-settings": {**well_formed, "settings": {f"s.k{i}": i for i in range(1000)}},
+        mine + b"#long-device": {**well_formed, "device": "x" * 10_000},
+        mine + b"#not-a-dict": "garbage",
+        victim_key: well_formed,  # in another peer's name
+        b"no owner": well_formed,
+    }
+    runs = {mine + b"#bad-run-name": dict(run="no spaces allowed", fingerprint=fingerprint, time=time.time())}
+    keys = ((progress_key(cfg.run.name), progress), (rounds_key(cfg.run.name), rounds),
+            (status_key(cfg.run.name), status), (runs_key(), runs))
     try:
         while not stop.is_set():
-            for key, values in ((progress_key(cfg.run.name), progress), (rounds_key(cfg.run.name), rounds)):
+            for key, values in keys:
                 for subkey, value in values.items():
-                    if key == progress_key(cfg.run.name) and isinstance(value, dict) and "time" in value:
+                    if isinstance(value, dict) and "time" in value:
                         value = {**value, "time": time.time()}
                     dht.store(key, value, get_dht_time() + 30, subkey=subkey)
             say("wrote records")

@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from p2p_diloco.config import Config, run_fingerprint
+from p2p_diloco.config import Config, shared_settings
 from p2p_diloco.swarm.node import start_run_node, visible_maddrs
 from p2p_diloco.train.diloco import DiLoCoPeer
 from p2p_diloco.train.model import build_model, trainable_parameters
@@ -19,13 +19,13 @@ from p2p_diloco.train.model import build_model, trainable_parameters
 def inprocess_peers(cfg: Config, vocab_size: int, batch_lists: Sequence[list[torch.Tensor]]):
     """One DiLoCoPeer per batch list, all in one DHT; every DHT is shut down on exit."""
     nodes = []
-    fingerprint = run_fingerprint(cfg, tokenizer_sha256="fixed test batches")
+    settings = shared_settings(cfg, tokenizer_sha256="fixed test batches")
     try:
         for _ in batch_lists:
             first = visible_maddrs(nodes[0].dht) if nodes else ()
             nodes.append(start_run_node(cfg.run.name, "127.0.0.1", 0, initial_peers=first))
         peers = [
-            DiLoCoPeer(cfg, build_model(cfg.model, vocab_size, cfg.run.seed), batches_from(batches), node, fingerprint)
+            DiLoCoPeer(cfg, build_model(cfg.model, vocab_size, cfg.run.seed), ListData(batches), node, settings)
             for node, batches in zip(nodes, batch_lists)
         ]
         yield peers
@@ -58,9 +58,35 @@ def run_in_threads(peers: Sequence[DiLoCoPeer], max_outer_steps: int, timeout_s:
         raise errors[0]
 
 
-def batches_from(batches: list[torch.Tensor]):
-    """A DiLoCoPeer's data source over a fixed list: the batches from a position on."""
-    return lambda position: iter(batches[position:])
+class ListData:
+    """A DiLoCoPeer's data over a fixed list of batches (one shard: all of them)."""
+
+    num_shards = 1
+
+    def __init__(self, batches: list[torch.Tensor]):
+        self.batches = batches
+
+    def open(self, shard: int, state: dict | None) -> "ListStream":
+        return ListStream(self.batches, state["position"] if state else 0)
+
+
+class ListStream:
+    """The batches of a list from `position` on; ends with the list."""
+
+    def __init__(self, batches: list[torch.Tensor], position: int):
+        self.batches, self.position = batches, position
+
+    def __iter__(self) -> "ListStream":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.position >= len(self.batches):
+            raise StopIteration
+        self.position += 1
+        return self.batches[self.position - 1]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
 
 
 def fixed_batches(num_peers: int, num_batches: int, batch_size: int, seq_len: int, vocab: int, seed: int = 0):

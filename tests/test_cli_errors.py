@@ -15,7 +15,7 @@ def run_cli(*args, cwd=None, timeout=90):
                           timeout=timeout, cwd=cwd)
 
 
-@pytest.mark.parametrize("command", [[], ["bootstrap"], ["peer"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["bootstrap"], ["peer"], ["join"], ["status"], ["demo"]])
 def test_help_of_every_command(command):
     result = run_cli(*command, "--help")
     assert result.returncode == 0
@@ -23,13 +23,32 @@ def test_help_of_every_command(command):
 
 
 def test_help_documents_the_shared_network_flags():
-    for command in ("bootstrap", "peer"):
+    for command in ("bootstrap", "peer", "join"):
         out = run_cli(command, "--help").stdout
         for flag in ("--host", "--port", "--announce-ip", "--identity-path", "--initial-peers"):
             assert flag in out, (command, flag)
-    out = run_cli("peer", "--help").stdout
-    for flag in ("--config", "--metrics-file", "--max-outer-steps", "--device"):
+    for command, flags in (("peer", ["--config"]), ("join", ["--state-dir"])):
+        out = run_cli(command, "--help").stdout
+        for flag in (*flags, "--metrics-file", "--max-outer-steps", "--device", "--tensorboard", "--wait-for-peers"):
+            assert flag in out, (command, flag)
+    out = run_cli("status", "--help").stdout
+    for flag in ("--initial-peers", "--run", "--json"):
         assert flag in out
+
+
+def test_a_manifest_without_a_bootstrap_node_or_with_a_bad_one_is_a_clear_error(tmp_path):
+    raw = {name: dict(values) for name, values in TINY.items()}
+    manifest = write_toml(tmp_path / "run.toml", raw)
+    result = run_cli("join", str(manifest), "--host", "127.0.0.1", "--state-dir", str(tmp_path / "state"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {manifest} names no bootstrap node (swarm.initial_peers): pass --initial-peers")
+    raw["swarm"]["initial_peers"] = ["/ip4/127.0.0.1/tcp/31337"]
+    write_toml(manifest, raw)
+    result = run_cli("join", str(manifest), "--host", "127.0.0.1", "--state-dir", str(tmp_path / "state"))
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: swarm.initial_peers in {manifest}: '/ip4/127.0.0.1/tcp/31337' is not a peer")
 
 
 def test_bad_config_value_exits_nonzero_naming_the_key(tmp_path):

@@ -28,6 +28,8 @@ from tests.conftest import REPO
          "inner.steps_per_outer = 50 exceeds inner.total_steps = 40"),
         ({"model": {"hidden_size": 24, "num_heads": 8}}, "model.hidden_size / model.num_heads = 3 must be even"),
         ({"data": {"seq_len": 1024}}, "data.seq_len = 1024 exceeds model.max_position_embeddings = 512"),
+        ({"data": {"shards": 0}}, "data.shards = 0 is invalid: must be an integer >= 1"),
+        ({"data": {"tokenizer_documents": 0}}, "data.tokenizer_documents = 0 is invalid: must be an integer >= 1"),
     ],
 )
 def test_bad_values_name_key_value_and_rule(raw, message):
@@ -65,7 +67,8 @@ def test_fingerprint_covers_what_peers_must_share_and_nothing_else():
     assert run_fingerprint(cfg, "tokenizer-b") != base  # same settings, another tokenizer
     for section, values in [("inner", {"lr": 5e-3}), ("model", {"intermediate_size": 512}),
                             ("outer", {"momentum": 0.8}), ("outer", {"codec": "nf4"}), ("run", {"seed": 1}),
-                            ("data", {"seq_len": 128})]:
+                            ("data", {"seq_len": 128}), ("data", {"shards": 8}),
+                            ("data", {"tokenizer_documents": 100})]:
         assert run_fingerprint(cfg.replace(**{section: values}), "tokenizer-a") != base, section
     # each peer's own: timeouts, where its files are, how it splits its batch into micro-batches
     assert run_fingerprint(cfg.replace(swarm={"round_wait_timeout": 5.0}), "tokenizer-a") == base
@@ -85,6 +88,22 @@ def test_a_hub_model_is_checked_against_its_own_position_limit(tmp_path):
     build_model(cfg.model, 300, 0, 64)
 
 
+def test_a_hub_model_whose_decoder_sits_in_a_sub_config_gets_the_run_vocabulary_and_position_limit(tmp_path):
+    """Gemma 3, Llama 4, Qwen3.5: AutoConfig.from_pretrained(name, vocab_size=...) would not reach the text decoder."""
+    from transformers import Gemma3Config
+
+    text = dict(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4).save_pretrained(tmp_path)
+    cfg = config_from_dict({"model": {"name": str(tmp_path)}, "data": {"seq_len": 128}})
+    with pytest.raises(ConfigError, match=r"data.seq_len = 128 exceeds the 64 positions model"):
+        build_model(cfg.model, 1000, 0, cfg.data.seq_len)
+    model = build_model(cfg.model, 1000, 0, 64)
+    assert model.get_input_embeddings().num_embeddings == model.get_output_embeddings().out_features == 1000
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
@@ -99,3 +118,11 @@ def test_replace_revalidates():
     assert cfg.replace(inner={"steps_per_outer": 7}).inner.steps_per_outer == 7
     with pytest.raises(ConfigError):
         cfg.replace(inner={"steps_per_outer": -7})
+
+
+def test_the_demo_manifest_names_the_peer_id_of_the_shipped_demo_bootstrap_key():
+    from p2p_diloco.swarm.identity import Identity
+
+    key = REPO / "bootstrap" / "demo-bootstrap.key"
+    (maddr,) = load_config(REPO / "peers" / "demo.toml").swarm.initial_peers
+    assert maddr.endswith("/p2p/" + Identity.load_or_create(str(key)).peer_id)

@@ -6,16 +6,19 @@ hub dataset, offline.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import io
 import itertools
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from p2p_diloco.config import DataConfig, load_config
+from p2p_diloco.config import ConfigError, DataConfig, load_config
 from p2p_diloco.train import data as data_module
 from p2p_diloco.train.data import (
     DataError,
@@ -23,6 +26,7 @@ from p2p_diloco.train.data import (
     documents,
     heldout_documents,
     hub_holdout_scan_limit,
+    hub_shard,
     is_holdout,
     load_tokenizer,
     order_seed,
@@ -76,7 +80,7 @@ def hub_docs() -> list[str]:
 
 @pytest.fixture
 def hub_cfg(tmp_path, hub_docs, offline) -> DataConfig:
-    return data_config(source="hub", hub_dataset=str(write_shards(tmp_path / "dataset", hub_docs)))
+    return data_config(source="hub", hub_dataset=str(write_shards(tmp_path / "dataset", hub_docs)), shards=1)
 
 
 @pytest.fixture
@@ -119,8 +123,25 @@ def count_stream_opens(monkeypatch) -> list[int]:
     return opens
 
 
-def first_batches(data: TextData, seed: int, count: int, position: int = 0) -> list[torch.Tensor]:
-    return list(itertools.islice(data.peer_batches(BATCH, seed, position), count))
+def first_batches(data: TextData, seed: int, count: int) -> list[torch.Tensor]:
+    return list(itertools.islice(data.peer_batches(BATCH, seed), count))
+
+
+def run_with_states(stream, count: int) -> tuple[list[torch.Tensor], list[dict]]:
+    """`count` batches of `stream`, and its state before each batch and after the last: states[p] resumes at p."""
+    batches, states = [], [stream.state_dict()]
+    for _ in range(count):
+        batches.append(next(stream))
+        states.append(stream.state_dict())
+    return batches, states
+
+
+def as_checkpointed(state: dict) -> dict:
+    """The state as a checkpoint gives it back: through torch.save, and loadable with weights_only."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    assert len(buffer.getvalue()) < 20_000  # a few numbers and the packing buffer's tokens
+    return torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
 
 
 # ----- the held-out split ---------------------------------------------------------------------------
@@ -161,26 +182,174 @@ def test_hub_directory_streams_batches_of_the_right_shape(hub_cfg):
     assert all(int(b.max()) < data.vocab_size for b in batches)
 
 
+def recording_tokenizer(data: TextData) -> list[str]:
+    """Make `data` record every document it tokenizes from now on; returns that record."""
+    read, tokenize = [], data.tokenizer
+
+    class Recording:
+        def __call__(self, text, **kwargs):
+            read.append(text)
+            return tokenize(text, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(tokenize, name)
+
+    data.tokenizer = Recording()
+    return read
+
+
 @pytest.mark.timeout(120)
-def test_hub_training_stream_never_reads_a_heldout_document(hub_cfg, hub_docs, monkeypatch):
+def test_hub_training_stream_never_reads_a_heldout_document(hub_cfg, hub_docs):
     heldout = set(heldout_documents(hub_cfg))
     assert heldout and len(heldout) < len(hub_docs)
-    read: list[str] = []
-    real_pass = data_module.hub_training_pass
-
-    def recording_pass(cfg, shuffle_seed):
-        for doc in real_pass(cfg, shuffle_seed):
-            read.append(doc)
-            yield doc
-
-    monkeypatch.setattr(data_module, "hub_training_pass", recording_pass)
     data = TextData(hub_cfg)
-    for peer in ("peer-a", "peer-b"):  # each peer, several passes: every shard order seen differs
-        list(itertools.islice(data.peer_batches(BATCH, order_seed(0, peer)), 400))
+    read = recording_tokenizer(data)
+    for peer in ("peer-a", "peer-b"):  # each peer, several passes: every order seen differs
+        list(itertools.islice(data.peer_batches(BATCH, order_seed(0, peer)), 150))
     stored_order = [d for d in hub_docs if d not in heldout]
-    assert read[: len(stored_order)] != stored_order  # the stream really was reshuffled
+    assert read[: len(stored_order)] != stored_order  # the stream really was shuffled
     assert set(read) == set(hub_docs) - heldout
     assert not heldout & set(read)
+
+
+def one_pass(stream) -> None:
+    """Read `stream` until it starts its second pass over its shard: every document of the first is tokenized."""
+    for _ in range(1000):
+        if stream.state_dict()["pass_index"] > 0:
+            return
+        next(stream)
+    raise AssertionError("no second pass after 1000 batches")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("files, shards", [(4, 2), (4, 3), (1, 2), (1, 3)])  # whole files, or every n-th document
+def test_hub_shards_are_disjoint_and_together_are_the_training_set(tmp_path, hub_docs, offline, files, shards):
+    folder = write_shards(tmp_path / "dataset", hub_docs, shards=files)
+    cfg = data_config(source="hub", hub_dataset=str(folder), shards=shards)
+    parts = [list(data_module._texts(cfg, hub_shard(cfg, shard))) for shard in range(shards)]
+    assert sorted(d for part in parts for d in part) == sorted(hub_docs)  # each document in exactly one shard
+    data = TextData(cfg)
+    streams = data.for_peer(BATCH, order_seed(0, "peer-a"))
+    assert streams.num_shards == shards
+    read, read_by_shard = recording_tokenizer(data), []
+    for shard in range(shards):  # a peer per shard, each reading one pass
+        start = len(read)
+        one_pass(streams.open(shard, None))
+        read_by_shard.append(read[start:])
+    training = {d for d in hub_docs if not is_holdout(d, cfg.holdout_fraction)}
+    for read, part in zip(read_by_shard, parts):
+        assert read and set(read) <= set(part)  # a peer reads its own shard only
+    assert sorted(d for read in read_by_shard for d in set(read)) == sorted(training)  # disjoint, and all of it
+    with pytest.raises(DataError, match=f"shard {shards} does not exist"):
+        streams.open(shards, None)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shards", [2, 3])  # datasets splits by files, or keeps every third document
+def test_a_resumed_hub_stream_yields_what_the_uninterrupted_one_does(hub_cfg, monkeypatch, shards):
+    monkeypatch.setattr(data_module, "HUB_SHUFFLE_BLOCK", 7)  # many blocks, and a resume inside one
+    data = TextData(dataclasses.replace(hub_cfg, shards=shards))
+    seed = order_seed(0, "peer-a")
+    read = recording_tokenizer(data)
+    stream = data.peer_batches(BATCH, seed, shard=1)
+    uninterrupted, states, read_at = [], [stream.state_dict()], [0]  # read_at[p]: documents tokenized by batch p
+    for _ in range(60):  # more than one pass over the shard
+        uninterrupted.append(next(stream))
+        states.append(stream.state_dict())
+        read_at.append(len(read))
+    assert max(state["pass_index"] for state in states) >= 1 and max(state["block"] for state in states) >= 3
+    monkeypatch.setattr(data_module, "HUB_SHUFFLE_BLOCK", 5)  # a resumed stream cuts blocks as its state says
+    for position in (0, 1, 13, 29, 47):
+        start = len(read)
+        resumed = data.peer_batches(BATCH, seed, shard=1, state=as_checkpointed(states[position]))
+        assert resumed.position == position
+        batches = list(itertools.islice(resumed, 60 - position))
+        assert all(torch.equal(x, y) for x, y in zip(batches, uninterrupted[position:], strict=True)), position
+        assert resumed.position == 60
+        # per document: the resumed stream tokenizes what the uninterrupted one did next, and nothing it did before
+        assert read[start:] == read[read_at[position] : read_at[60]], position
+        del read[start:]
+    other_peer = list(itertools.islice(data.peer_batches(BATCH, order_seed(0, "peer-b"), shard=1), 10))
+    assert not all(torch.equal(x, y) for x, y in zip(other_peer, uninterrupted))  # the same shard, another order
+
+
+_opened: list[str] | None = None  # the files opened while a test records them (see opened_files)
+
+
+def _record_open(event: str, args: tuple) -> None:
+    if event == "open" and _opened is not None and isinstance(args[0], str):
+        _opened.append(args[0])
+
+
+@pytest.fixture
+def opened_files():
+    """The paths this process opens during the test, seen by an audit hook (added once: hooks stay for good)."""
+    global _opened
+    if not getattr(sys, "_p2p_diloco_open_hook", False):
+        sys.addaudithook(_record_open)
+        sys._p2p_diloco_open_hook = True
+    _opened = []
+    yield _opened
+    _opened = None
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_hub_stream_does_not_reopen_the_files_it_finished(tmp_path, hub_docs, offline, monkeypatch,
+                                                                     opened_files):
+    monkeypatch.setattr(data_module, "HUB_SHUFFLE_BLOCK", 7)
+    folder = write_shards(tmp_path / "dataset", hub_docs)  # 4 files of 30 documents, read in order
+    data = TextData(data_config(source="hub", hub_dataset=str(folder), shards=1))
+    read = recording_tokenizer(data)
+    seed = order_seed(0, "peer-a")
+    stream = data.peer_batches(BATCH, seed)
+    for _ in range(100):
+        if set(read) & set(hub_docs[90:]):  # into the last file: the block read then began in the third
+            break
+        next(stream)
+    state = stream.state_dict()
+    assert state["pass_index"] == 0
+
+    def opens_of_first_file(make_stream) -> int:
+        del opened_files[:]
+        list(itertools.islice(make_stream(), 3))
+        return opened_files.count(str(folder / "shard-0.jsonl"))
+
+    fresh = opens_of_first_file(lambda: data.peer_batches(BATCH, seed))
+    resumed = opens_of_first_file(lambda: data.peer_batches(BATCH, seed, state=state))
+    # load_dataset reads the head of the first file to learn the columns; a resumed stream reads no more of it
+    # (datasets resumes at the start of the last arrow table it read, a part of the second file or a later one)
+    assert resumed < fresh
+    assert str(folder / "shard-2.jsonl") in opened_files
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_state_of_another_shard_seed_or_source_is_refused(hub_cfg, pydoc_cfg):
+    data = TextData(dataclasses.replace(hub_cfg, shards=2))
+    seed = order_seed(0, "peer-a")
+    stream = data.peer_batches(BATCH, seed, shard=0)
+    next(stream)
+    state = stream.state_dict()
+    refusals = [
+        (data, dict(shard=1, state=state), "reads shard 0 of 2, not shard 1 of 2"),
+        (data, dict(shard=-1), "shard -1 does not exist: data.shards = 2 numbers them 0 to 1"),
+        (data, dict(shard=0, order_seed=seed + 1, state=state), "another order seed"),
+        (data, dict(state={k: v for k, v in state.items() if k != "block_start"}), "state lacks block_start"),
+        (data, dict(state=dict(state, position=-1)), "has position -1, not a batch count"),
+        (data, dict(state=[1, 2]), "state is a list, not a stream's state_dict()"),
+    ]
+    resharded = copy.copy(data)  # the same data split into more shards: shard 0 is not the same part
+    resharded.cfg = dataclasses.replace(data.cfg, shards=4)
+    refusals.append((resharded, dict(state=state), "reads shard 0 of 2, not shard 0 of 4"))
+    memory = TextData(pydoc_cfg)
+    refusals.append((memory, dict(state=state), "of a 'hub' source, this config reads a 'in-memory' one"))
+    memory_state = memory.peer_batches(BATCH, seed).state_dict()
+    refusals.append((data, dict(state=memory_state), "of a 'in-memory' source, this config reads a 'hub' one"))
+    for source, arguments, message in refusals:
+        with pytest.raises(ValueError) as err:
+            source.peer_batches(BATCH, arguments.pop("order_seed", seed), **arguments)
+        assert isinstance(err.value, DataError) and message in str(err.value) and "\n" not in str(err.value)
+    assert data.peer_batches(BATCH, seed, shard=0, state=state).position == 1  # the state itself is fine
+    assert memory.for_peer(BATCH, seed).num_shards == 1
 
 
 @pytest.mark.timeout(60)
@@ -204,8 +373,7 @@ def test_hub_heldout_scan_of_an_endless_stream_is_bounded(monkeypatch, offline):
 
 @pytest.mark.timeout(60)
 def test_hub_tokenizer_trains_on_a_bounded_prefix_of_an_endless_stream(monkeypatch, offline):
-    cfg = data_config(source="hub", hub_dataset="endless", holdout_fraction=0.0)
-    monkeypatch.setattr(data_module, "BPE_TRAINING_DOCUMENTS", 50)
+    cfg = data_config(source="hub", hub_dataset="endless", holdout_fraction=0.0, tokenizer_documents=50)
     rows_read = endless_stream(monkeypatch)
     assert len(load_tokenizer(cfg)) > 256
     assert 50 <= rows_read[0] <= 51
@@ -271,9 +439,10 @@ def test_one_seed_gives_one_order(local_data):
 def test_a_resumed_stream_continues_the_uninterrupted_one(local_data):
     seed = order_seed(3, "peer-a")
     per_epoch = len(local_data.train) // BATCH
-    uninterrupted = first_batches(local_data, seed, 3 * per_epoch)
+    uninterrupted, states = run_with_states(local_data.peer_batches(BATCH, seed), 3 * per_epoch)
+    assert states[per_epoch] == dict(kind="in-memory", order_seed=seed, position=per_epoch)
     for position in (0, 1, per_epoch - 1, per_epoch, 2 * per_epoch + 1):
-        stream = local_data.peer_batches(BATCH, seed, position)
+        stream = local_data.peer_batches(BATCH, seed, shard=5, state=as_checkpointed(states[position]))  # no shards
         assert stream.position == position
         resumed = list(itertools.islice(stream, 3 * per_epoch - position))
         assert stream.position == 3 * per_epoch
@@ -281,8 +450,10 @@ def test_a_resumed_stream_continues_the_uninterrupted_one(local_data):
 
 
 @pytest.mark.timeout(30)
-def test_skipping_to_a_far_position_replays_nothing(local_data):
-    stream = local_data.peer_batches(BATCH, order_seed(0, "peer-a"), position=10**15)
+def test_resuming_at_a_far_position_replays_nothing(local_data):
+    seed = order_seed(0, "peer-a")
+    state = dict(local_data.peer_batches(BATCH, seed).state_dict(), position=10**15)
+    stream = local_data.peer_batches(BATCH, seed, state=state)
     assert next(stream).shape == (BATCH, SEQ_LEN)
     assert stream.position == 10**15 + 1
 
@@ -330,3 +501,48 @@ def test_documents_of_the_pydoc_source_are_stable(pydoc_cfg):
     docs = list(documents(pydoc_cfg))
     assert len(docs) == pydoc_cfg.max_documents
     assert docs == list(documents(pydoc_cfg))
+
+
+def test_a_tokenizer_with_ids_the_model_cannot_embed_is_refused_at_start(pydoc_cfg):
+    from p2p_diloco.train.model import build_model, check_vocabulary_fits
+
+    data = TextData(pydoc_cfg)
+    sizes = tiny_config().model
+    check_vocabulary_fits(build_model(sizes, data.vocab_size, 0), data.tokenizer, "llama", "local-bpe")
+    with pytest.raises(ConfigError) as err:
+        check_vocabulary_fits(build_model(sizes, 100, 0), data.tokenizer, "llama", "local-bpe")
+    assert str(err.value) == (
+        f"config: tokenizer 'local-bpe' emits token ids up to {data.vocab_size - 1}, but model 'llama' embeds only "
+        f"100 tokens; use a tokenizer whose vocabulary fits the model (for a hub model, its own tokenizer)")
+
+
+def save_tokenizer(folder: Path, vocab_size: int) -> str:
+    """A byte-level BPE of about `vocab_size` tokens, saved as a tokenizer directory AutoTokenizer loads offline."""
+    load_tokenizer(dataclasses.replace(tiny_config().data, vocab_size=vocab_size)).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tokens", [1024, 280])  # more tokens than the model's own 300, and fewer than its pad id
+def test_a_hub_model_embeds_every_id_a_hub_tokenizer_emits(tmp_path, offline, tokens):
+    from transformers import LlamaConfig
+
+    from p2p_diloco.train.model import build_model, check_vocabulary_fits
+
+    model_dir = tmp_path / "model"  # a hub model by path, with a vocabulary of its own
+    LlamaConfig(vocab_size=300, pad_token_id=299, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=64).save_pretrained(model_dir)
+    cfg = tiny_config(model={"name": str(model_dir)}, data={"tokenizer": save_tokenizer(tmp_path / "tok", tokens)})
+    data = TextData(cfg.data)
+    assert (data.vocab_size > 300) == (tokens > 300)
+    model = build_model(cfg.model, data.vocab_size, 0, cfg.data.seq_len)  # pad id 299 of 280 tokens: cleared
+    assert model.get_input_embeddings().num_embeddings == model.get_output_embeddings().out_features == data.vocab_size
+    check_vocabulary_fits(model, data.tokenizer, cfg.model.name, cfg.data.tokenizer)
+    batch = next(data.peer_batches(BATCH, order_seed(0, "peer-a")))
+    assert int(batch.max()) < data.vocab_size
+    assert torch.isfinite(model(input_ids=batch, labels=batch).loss)
+    with pytest.raises(ConfigError) as err:  # a model that embeds fewer ids than the tokenizer emits
+        check_vocabulary_fits(build_model(cfg.model, 260, 0), data.tokenizer, cfg.model.name, cfg.data.tokenizer)
+    assert str(err.value).startswith(f"config: tokenizer {cfg.data.tokenizer!r} emits token ids up to "
+                                     f"{data.vocab_size - 1}, but model {str(model_dir)!r} embeds only 260 tokens")
+

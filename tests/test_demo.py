@@ -22,6 +22,8 @@ def test_demo_writes_summary_and_plot(tmp_path):
         capture_output=True, text=True, timeout=380,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    progress = [line for line in result.stdout.splitlines() if line.startswith("demo: outer step")]
+    assert progress[-1].startswith("demo: outer step 3/3, loss ")  # the swarm's progress, shown while it ran
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["peers"]) == 2
     for peer in summary["peers"]:

@@ -153,7 +153,7 @@ def test_restart_from_checkpoint(processes, tmp_path):
     wait_for_steps([*metrics, restarted], 2)
     processes.kill(proc(processes, "peer3"))
     saved = torch.load(ckpt / "checkpoint.pt", map_location="cpu", weights_only=False)
-    assert saved["outer_step"] >= 2 and saved["data_position"] > 0
+    assert saved["outer_step"] >= 2 and saved["data_state"]["position"] > 0
     start_peer(processes, "peer3", config, maddr, *identity)
     joins = lambda: [r for r in read_metrics(restarted) if r["event"] == "join"]  # noqa: E731
     wait_until(lambda: len(joins()) == 2, 120, "the restarted peer to join")
@@ -161,7 +161,7 @@ def test_restart_from_checkpoint(processes, tmp_path):
     # it is back with the state and the data position it saved, not with what it would download
     assert rejoin["from_checkpoint"] is True and rejoin["peer_id"] == joins()[0]["peer_id"]
     assert (rejoin["outer_step"], rejoin["global_sha256"]) == (saved["outer_step"], saved["sha256"])
-    assert rejoin["data_position"] == saved["data_position"]
+    assert rejoin["data_position"] == saved["data_state"]["position"]
     assert saved["sha256"] in hashes_by_step(metrics)[saved["outer_step"]]
     resumed_at = len(outer_steps(restarted))
     wait_until(lambda: len(outer_steps(restarted)) >= resumed_at + 2, 240, "two outer steps after the restart")

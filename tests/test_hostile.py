@@ -5,8 +5,11 @@ and does what no honest peer would. The honest swarm must keep stepping with one
 honest process may exit, and the offence must be logged with the offender's peer ID.
 """
 
+import json
 import re
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -55,6 +58,13 @@ def test_malformed_forged_and_lying_records_are_ignored(processes, tmp_path):
     # well-formed and signed, but not this run's settings, or a claim that no donor could serve
     assert f"ignoring the progress of a peer with other run settings from peer {author}" in logs
     assert f"setting aside the record of peer {author}: it claims outer step 1000000" in logs
+    # `status` shows the honest peers, and skips the stranger's malformed and forged status records
+    result = subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "status", "--initial-peers", maddr, "--json"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    (run,) = json.loads(result.stdout)["runs"]  # the malformed run announcement is no run
+    assert run["run"] == "test" and {p["peer_id"] for p in run["peers"]} == {peer_id_of(m) for m in metrics}
+    assert f"ignoring a malformed status record from peer {author}" in result.stderr
 
 
 def test_malformed_states_from_a_donor_are_refused(processes, tmp_path):

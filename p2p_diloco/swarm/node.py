@@ -53,8 +53,8 @@ def announce_maddrs(announce_ip: str | None, port: int) -> list[str] | None:
     return [f"/{_ip_protocol(announce_ip, '--announce-ip')}/{announce_ip}/tcp/{port}"]
 
 
-def parse_initial_peers(maddrs: Sequence[str]) -> list[str]:
-    """Check each --initial-peers value is a full multiaddr ending in /p2p/<peer id>."""
+def parse_initial_peers(maddrs: Sequence[str], where: str = "--initial-peers") -> list[str]:
+    """Check each value (of --initial-peers, or `where`) is a full multiaddr ending in /p2p/<peer id>."""
     parsed = []
     for text in maddrs:
         try:
@@ -62,7 +62,7 @@ def parse_initial_peers(maddrs: Sequence[str]) -> list[str]:
             maddr.value_for_protocol("p2p")
         except Exception:
             raise NodeAddressError(
-                f"--initial-peers {text!r} is not a peer multiaddr; expected the form "
+                f"{where} {text!r} is not a peer multiaddr; expected the form "
                 f"/ip4/203.0.113.5/tcp/31337/p2p/QmXyZ... as printed by `p2p-diloco bootstrap`"
             ) from None
         parsed.append(str(maddr))

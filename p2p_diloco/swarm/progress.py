@@ -31,11 +31,10 @@ from typing import Callable, Optional, Sequence
 
 from hivemind import DHT
 
-from p2p_diloco.remote_input import parse, warn_once
-from p2p_diloco.swarm.identity import owner_peer_id
+from p2p_diloco.remote_input import warn_once
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
 from p2p_diloco.swarm.records import (
-    LEFT, LOADING, READY, TRAINING, ProgressValue, RecordPublisher, progress_key,
+    LEFT, LOADING, READY, TRAINING, ProgressValue, RecordPublisher, progress_key, read_signed, signed_records,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,14 +58,11 @@ class PeerProgress:
 
 def parse_progress(subkey: object, value: object, fingerprint: str) -> Optional[PeerProgress]:
     """The record of the peer that signed it, or None (logged once) if it is not one of this run's."""
-    author = owner_peer_id(subkey) if isinstance(subkey, bytes) else None
-    if author is None:
-        warn_once(repr(subkey)[:40], "a progress record without an owner's key")
-        return None
-    record, problem = parse(ProgressValue, value)
-    if record is None:
-        warn_once(author, "a malformed progress record", problem)
-        return None
+    parsed = read_signed(ProgressValue, subkey, value, "progress record")
+    return None if parsed is None else _of_this_run(*parsed, fingerprint)
+
+
+def _of_this_run(author: str, record: ProgressValue, fingerprint: str) -> Optional[PeerProgress]:
     if record.fingerprint != fingerprint:
         warn_once(author, "the progress of a peer with other run settings",
                   f"its settings fingerprint is {record.fingerprint[:12]}, this peer's {fingerprint[:12]}; "
@@ -78,10 +74,8 @@ def parse_progress(subkey: object, value: object, fingerprint: str) -> Optional[
 
 def read_progress(dht: DHT, key: str, fingerprint: str) -> list[PeerProgress]:
     """The live progress records under `key` of the peers that train with `fingerprint` (LEFT omitted)."""
-    found = dht.get(key, latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
-    records = (parse_progress(subkey, getattr(item, "value", None), fingerprint) for subkey, item in found.value.items())
+    records = (_of_this_run(author, record, fingerprint)
+               for author, record, _ in signed_records(dht, key, ProgressValue, "progress record"))
     return [record for record in records if record is not None and record.phase != LEFT]
 
 

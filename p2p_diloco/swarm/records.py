@@ -1,12 +1,14 @@
 """The run's DHT records, their schemas, and the validators that keep strangers' records out.
 
-A run keeps two keys on the DHT, each a dictionary with one subkey per peer:
+A run keeps three keys on the DHT, each a dictionary with one subkey per peer:
 
 * ``<run>_progress``: where each peer is (:mod:`p2p_diloco.swarm.progress`);
-* ``<run>_rounds``: each peer's reports on its last averaging rounds (:mod:`p2p_diloco.sync.commit`).
+* ``<run>_rounds``: each peer's reports on its last averaging rounds (:mod:`p2p_diloco.sync.commit`);
+* ``<run>_status``: what each peer tells people and joiners about itself (:mod:`p2p_diloco.swarm.status`).
 
-One key is shared by all runs: ``p2p_diloco_assistance``, where unreachable peers ask reachable
-nodes (bootstrap nodes, which know no run) to reduce for their run (:mod:`p2p_diloco.sync.assistant`).
+Two keys are shared by all runs: ``p2p_diloco_assistance``, where unreachable peers ask reachable
+nodes (bootstrap nodes, which know no run) to reduce for their run (:mod:`p2p_diloco.sync.assistant`),
+and ``p2p_diloco_runs``, where each peer names its run (for ``p2p-diloco status``).
 
 Every subkey is a peer's *owner marker* (``[owner:<its RSA public key>]``) and every value is signed
 by that key. Each node of a run checks every record it is asked to store or receives in a reply
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Dict, Literal, Optional
+from typing import Dict, Iterator, Literal, Optional, Type, Union
 
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
@@ -35,7 +37,9 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco.remote_input import MAX_TENSORS, Count, FiniteFloat, OuterStep, Sha256Hex, StrictModel, Token, warn_once
+from p2p_diloco.remote_input import (
+    MAX_TENSORS, Count, FiniteFloat, Model, OuterStep, Sha256Hex, StrictModel, Token, parse, warn_once,
+)
 from p2p_diloco.swarm.identity import Identity, owner_peer_id
 
 logger = logging.getLogger(__name__)
@@ -53,6 +57,39 @@ class ProgressValue(StrictModel):
     time: FiniteFloat
     fingerprint: Sha256Hex
     reachability: Literal["direct", "unreachable"]  # see p2p_diloco.swarm.reachability
+
+
+MAX_SHARDS = 2**20
+MAX_SETTINGS = 128  # p2p_diloco.config.shared_settings has about 50
+SettingName = pydantic.constr(strict=True, regex=r"^[a-z0-9_]{1,32}(\.[a-z0-9_]{1,48})?$")
+SettingValue = Union[pydantic.StrictBool, pydantic.StrictInt, pydantic.StrictFloat,
+                     pydantic.constr(strict=True, max_length=256)]
+ShortText = pydantic.constr(strict=True, max_length=64)
+NonNegative = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
+
+
+class StatusValue(StrictModel):
+    """A peer's status record, for people and joiners (see :mod:`p2p_diloco.swarm.status`); every field bounded."""
+
+    outer_step: OuterStep
+    phase: Literal["starting", "training", "syncing", "loading", "left"]
+    inner_steps: Count  # done since the run began (the lr schedule's position)
+    samples_per_s: NonNegative  # inner-loop throughput over its last steps
+    loss: Optional[FiniteFloat]  # mean inner loss of the current (or last) round
+    reachability: Literal["direct", "unreachable"]  # see p2p_diloco.swarm.reachability
+    version: ShortText
+    device: ShortText
+    uptime_s: NonNegative
+    data_shard: Optional[pydantic.conint(strict=True, ge=0, lt=MAX_SHARDS)]  # of a sharded stream
+    fingerprint: Sha256Hex
+    settings: Dict[SettingName, SettingValue]  # p2p_diloco.config.shared_settings, hashing to the fingerprint
+    time: FiniteFloat
+
+    @pydantic.validator("settings")
+    def _bounded(cls, settings):
+        if len(settings) > MAX_SETTINGS:
+            raise ValueError(f"more than {MAX_SETTINGS} settings")
+        return settings
 
 
 class RoundReport(StrictModel):
@@ -75,11 +112,13 @@ class RunRecords(pydantic.BaseModel):
 
     progress: Dict[BytesWithPublicKey, ProgressValue]
     rounds: Dict[BytesWithPublicKey, RoundReportsValue]
+    status: Dict[BytesWithPublicKey, StatusValue]
 
     class Config:
         extra = pydantic.Extra.forbid
 
 
+RunName = pydantic.constr(strict=True, regex=r"^[A-Za-z0-9_-]{1,64}$")  # as p2p_diloco.config checks run.name
 Shape = pydantic.conlist(pydantic.conint(strict=True, ge=1, le=2**31), max_items=8)
 Seconds = pydantic.confloat(strict=True, gt=0, le=86400, allow_inf_nan=False)
 
@@ -88,7 +127,7 @@ class AssistanceRequest(StrictModel):
     """An unreachable peer's request that a reachable node reduce for its run (:mod:`p2p_diloco.sync.assistant`):
     what an assistant must know to join the run's groups."""
 
-    run: pydantic.constr(strict=True, regex=r"^[A-Za-z0-9_-]{1,64}$")
+    run: RunName
     fingerprint: Sha256Hex
     shapes: pydantic.conlist(Shape, min_items=1, max_items=MAX_TENSORS)  # of the averaged tensors
     matchmaking_time: Seconds
@@ -115,10 +154,19 @@ class AssistanceRequest(StrictModel):
         return fragments
 
 
+class RunAnnouncement(StrictModel):
+    """A peer says which run it trains in, so that ``p2p-diloco status`` finds the runs of a swarm."""
+
+    run: RunName
+    fingerprint: Sha256Hex
+    time: FiniteFloat
+
+
 class SharedRecords(pydantic.BaseModel):
     """DHT keys shared by every run, so that a node that knows no run finds them (prefix: ``p2p_diloco``)."""
 
     assistance: Dict[BytesWithPublicKey, AssistanceRequest]
+    runs: Dict[BytesWithPublicKey, RunAnnouncement]
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -131,12 +179,45 @@ def assistance_key() -> str:
     return f"{SHARED_PREFIX}_assistance"
 
 
+def runs_key() -> str:
+    return f"{SHARED_PREFIX}_runs"
+
+
 def progress_key(run_name: str) -> str:
     return f"{run_name}_progress"
 
 
+def status_key(run_name: str) -> str:
+    return f"{run_name}_status"
+
+
 def rounds_key(run_name: str) -> str:
     return f"{run_name}_rounds"
+
+
+def read_signed(model: Type[Model], subkey: object, value: object, what: str) -> Optional[tuple[str, Model]]:
+    """(author, record) of a record signed under its author's subkey that matches `model`'s schema; None,
+    logged once per author, if it has no owner's key or is malformed (`what` names it in the log)."""
+    author = owner_peer_id(subkey) if isinstance(subkey, bytes) else None
+    if author is None:
+        warn_once(repr(subkey)[:40], f"a {what} without an owner's key")
+        return None
+    record, problem = parse(model, value)
+    if record is None:
+        warn_once(author, f"a malformed {what}", problem)
+        return None
+    return author, record
+
+
+def signed_records(dht, key: str, model: Type[Model], what: str) -> Iterator[tuple[str, Model, float]]:
+    """(author, record, expiration time) of each well-formed signed record under `key` (:func:`read_signed`)."""
+    found = dht.get(key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return
+    for subkey, item in found.value.items():
+        parsed = read_signed(model, subkey, getattr(item, "value", None), what)
+        if parsed is not None:
+            yield parsed[0], parsed[1], getattr(item, "expiration_time", 0.0)
 
 
 def _author(record: DHTRecord) -> str:
@@ -189,14 +270,16 @@ def run_validators(identity: Identity, run_name: str) -> list[RecordValidatorBas
 class RecordPublisher:
     """Keeps one record of this node fresh on the DHT under its signed subkey.
 
-    A background thread stores the latest value again every ttl/3 seconds, so that the record
-    outlives long phases of the node and vanishes within `ttl` of the node crashing or freezing.
+    A background thread stores the latest value again every `refresh_s` (at most ttl/3) seconds, so
+    that the record outlives long phases of the node and vanishes within `ttl` of the node crashing
+    or freezing.
     hivemind keeps whichever value of a subkey expires last, so every value (a final one too)
     expires `ttl` after it was stored.
     """
 
-    def __init__(self, dht, key: str, subkey: bytes, ttl: float, what: str):
+    def __init__(self, dht, key: str, subkey: bytes, ttl: float, what: str, refresh_s: Optional[float] = None):
         self.dht, self.key, self.subkey, self.ttl, self.what = dht, key, subkey, ttl, what
+        self.refresh_s = min(refresh_s or ttl / 3, ttl / 3)
         self._value: Optional[dict] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -209,6 +292,11 @@ class RecordPublisher:
             self._value = value if keep_fresh else None
             self._store(value, complain=keep_fresh)
 
+    def update(self, value: dict) -> None:
+        """Store `value` at the next refresh (within `refresh_s`), not now: for values that change often."""
+        with self._lock:
+            self._value = value
+
     def _store(self, value: dict, complain: bool = True) -> None:
         try:
             ok = self.dht.store(self.key, value=value, subkey=self.subkey, expiration_time=get_dht_time() + self.ttl)
@@ -219,7 +307,7 @@ class RecordPublisher:
             logger.warning("could not store this node's %s record on the DHT", self.what)
 
     def _refresh_periodically(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
+        while not self._stop.wait(self.refresh_s):
             with self._lock:
                 if self._value is not None:
                     self._store(self._value)

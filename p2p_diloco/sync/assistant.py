@@ -35,11 +35,10 @@ from typing import Optional, Sequence
 import torch
 from hivemind import DHT
 
-from p2p_diloco.remote_input import parse, warn_once
-from p2p_diloco.swarm.identity import owner_peer_id
+from p2p_diloco.remote_input import warn_once
 from p2p_diloco.swarm.progress import READY, PeerProgress, agreed_sha256, read_progress
 from p2p_diloco.swarm.reachability import UNREACHABLE
-from p2p_diloco.swarm.records import AssistanceRequest, assistance_key, progress_key
+from p2p_diloco.swarm.records import AssistanceRequest, assistance_key, progress_key, signed_records
 from p2p_diloco.sync.codecs import CODECS
 from p2p_diloco.sync.outer_sync import (
     SwarmAverager, averager_prefix, averager_timeouts, group_bits, round_timeout,
@@ -146,14 +145,8 @@ class Assistant:
 
 def read_assistance_requests(dht: DHT) -> dict[tuple[str, str], AssistanceRequest]:
     """The latest well-formed request for each (run, fingerprint), from the peers that signed them."""
-    found = dht.get(assistance_key(), latest=True)
     requests: dict[tuple[str, str], AssistanceRequest] = {}
-    for subkey, item in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
-        author = owner_peer_id(subkey) if isinstance(subkey, bytes) else None
-        request, problem = parse(AssistanceRequest, getattr(item, "value", None))
-        if author is None or request is None:
-            warn_once(author or "(unsigned)", "a malformed assistance request", problem or "no owner's key")
-            continue
+    for author, request, _ in signed_records(dht, assistance_key(), AssistanceRequest, "assistance request"):
         if request.codec not in CODECS:
             warn_once(author, "an assistance request", f"unknown codec {request.codec!r}")
             continue

@@ -21,9 +21,7 @@ from typing import Optional
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco.remote_input import parse, warn_once
-from p2p_diloco.swarm.identity import owner_peer_id
-from p2p_diloco.swarm.records import RoundReport, RoundReportsValue, rounds_key
+from p2p_diloco.swarm.records import RoundReport, RoundReportsValue, rounds_key, signed_records
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +49,8 @@ class RoundReports:
 
     def _fetch(self) -> dict[str, list[RoundReport]]:
         """Each reporting peer's latest reports, by the peer ID of the key that signed them."""
-        found = self.dht.get(self.key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        reports = {}
-        for subkey, item in found.value.items():
-            author = owner_peer_id(subkey) if isinstance(subkey, bytes) else None
-            value, problem = parse(RoundReportsValue, getattr(item, "value", None))
-            if author is None or value is None:
-                warn_once(author or repr(subkey)[:40], "a malformed round report", problem or "no owner's key")
-                continue
-            reports[author] = list(value.reports)
-        return reports
+        return {author: list(value.reports)
+                for author, value, _ in signed_records(self.dht, self.key, RoundReportsValue, "round report")}
 
     def agree(
         self, outer_step: int, tokens: dict[str, str], mean_sha256: str, timeout: float, stop: threading.Event

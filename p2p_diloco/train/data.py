@@ -11,34 +11,38 @@ it stands: a streamed dataset is read in a different shard order by every peer a
 split by position would let held-out documents leak into training. Tokens of consecutive documents
 are joined with an end-of-text token and cut into ``seq_len`` windows.
 
-Every peer reads the same training sequences in its own order, seeded by its peer ID. For ``pydoc``
-and ``files`` that order is a fresh permutation per epoch, derived from (order seed, epoch) alone, so
-a restarted peer resumes at its checkpointed batch position without replaying anything
-(:class:`ShuffledBatches`). A hub stream is reshuffled per pass (:class:`StreamedBatches`).
+For ``pydoc`` and ``files`` (small corpora) every peer reads all training sequences in its own
+order, seeded by its peer ID: a fresh permutation per epoch, derived from (order seed, epoch) alone
+(:class:`ShuffledBatches`). A hub stream is split into ``data.shards`` disjoint shards, each peer
+reads one, in an order of its own (:class:`StreamedBatches`). Either stream tells its state after
+each batch (``state_dict()``), and a stream opened from that state yields exactly what the
+uninterrupted one would have: a restarted peer goes on where it was, replaying nothing.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import json
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
 from p2p_diloco.config import DataConfig
+from p2p_diloco.train.model import largest_token_id
 
 logger = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 HUB_HOLDOUT_DOCUMENTS = 200  # a streamed corpus has no end: evaluate on this many held-out documents
 HUB_HOLDOUT_SCAN_FACTOR = 4  # read at most this many times the documents expected to hold them
-HUB_SHUFFLE_BUFFER = 10_000  # documents in datasets' shuffle buffer of a streamed pass
-BPE_TRAINING_DOCUMENTS = 20_000  # the local BPE learns from this prefix of the training documents
+HUB_SHUFFLE_BLOCK = 10_000  # documents of a streamed shard permuted together (re-read at most once on resume)
 
 
 class DataError(ValueError):
@@ -96,18 +100,43 @@ def _hub_stream(cfg: DataConfig):
     return stream.take(cfg.max_documents) if cfg.max_documents else stream
 
 
-def _hub_documents(cfg: DataConfig, shuffle_seed: int | None = None) -> Iterator[str]:
-    """The texts of a hub source, in stored order or shuffled; the stream opens only on the first read."""
+def hub_shard(cfg: DataConfig, shard: int):
+    """Shard `shard` of the hub source's ``data.shards``, in stored order.
+
+    datasets' ``split_dataset_by_node`` gives each shard whole files when the dataset's file count
+    divides by the shard count (C4's 1024 files and 1024 shards: one file each), and otherwise every
+    `shards`-th document: either way the shards are disjoint and together hold every document. No
+    datasets shuffle is applied on top: it reshuffles the file list before the split, with a seed of
+    its own per peer, and the shards would overlap (:class:`StreamedBatches` shuffles instead). With
+    ``data.max_documents``, datasets' ``take`` divides that count among the shards, each taking its
+    part from its own files.
+    """
+    from datasets.distributed import split_dataset_by_node
+
+    _check_shard(cfg, shard)
     stream = _hub_stream(cfg)
-    if shuffle_seed is not None:
-        stream = stream.shuffle(seed=shuffle_seed, buffer_size=HUB_SHUFFLE_BUFFER)
-    for row in stream:
+    return split_dataset_by_node(stream, rank=shard, world_size=cfg.shards) if cfg.shards > 1 else stream
+
+
+def _check_shard(cfg: DataConfig, shard: int) -> None:
+    if not 0 <= shard < cfg.shards:
+        raise DataError(f"data: shard {shard} does not exist: data.shards = {cfg.shards} numbers them 0 to {cfg.shards - 1}")
+
+
+def _texts(cfg: DataConfig, rows: Iterable[dict]) -> Iterator[str]:
+    """The text column of the rows; a dataset without it is a one-line error naming the columns it has."""
+    for row in rows:
         if cfg.text_column not in row:
             raise DataError(
                 f"data: dataset {cfg.hub_dataset!r} has no column data.text_column = {cfg.text_column!r}; "
                 f"set it to one of {', '.join(map(repr, row))}"
             )
         yield row[cfg.text_column]
+
+
+def _hub_documents(cfg: DataConfig) -> Iterator[str]:
+    """The texts of a hub source in stored order, unsharded; the stream opens only on the first read."""
+    return _texts(cfg, _hub_stream(cfg))
 
 
 def documents(cfg: DataConfig) -> Iterator[str]:
@@ -152,21 +181,12 @@ def heldout_documents(cfg: DataConfig) -> Iterator[str]:
     return itertools.islice(held, HUB_HOLDOUT_DOCUMENTS) if cfg.source == "hub" else held
 
 
-def hub_training_pass(cfg: DataConfig, shuffle_seed: int) -> Iterator[str]:
-    """One pass over a hub source's training documents, shuffled by `shuffle_seed`.
-
-    datasets shuffles the shard order and then draws from a HUB_SHUFFLE_BUFFER-document buffer; the
-    held-out documents are dropped by content, so whatever that order, none of them is trained on.
-    """
-    docs = _hub_documents(cfg, shuffle_seed)
-    return (doc for doc in docs if not is_holdout(doc, cfg.holdout_fraction))
-
-
 # ----- tokenizer ----------------------------------------------------------------------------------
 def load_tokenizer(cfg: DataConfig):
     """A hub tokenizer by name, or a byte-level BPE trained on the training documents and cached.
 
-    The local tokenizer learns from the first BPE_TRAINING_DOCUMENTS training documents and is keyed
+    The local tokenizer learns from the first ``data.tokenizer_documents`` training documents (of a
+    hub stream: its first documents in stored order, never more) and is keyed
     by a hash of them and the vocabulary size, so every peer that reads the same corpus ends up with
     the same vocabulary (BPE training is deterministic); :func:`tokenizer_sha256` tells if not.
     """
@@ -178,7 +198,7 @@ def load_tokenizer(cfg: DataConfig):
             tokenizer.add_special_tokens({"eos_token": EOS_TOKEN})
         return tokenizer
 
-    train_docs = list(itertools.islice(training_documents(cfg), BPE_TRAINING_DOCUMENTS))
+    train_docs = list(itertools.islice(training_documents(cfg), cfg.tokenizer_documents))
     digest = hashlib.sha256()
     for doc in train_docs:
         digest.update(hashlib.sha256(doc.encode()).digest())
@@ -255,8 +275,8 @@ class TextData:
     def __init__(self, cfg: DataConfig):
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg)
-        self.vocab_size = len(self.tokenizer)
-        self._eos = self.tokenizer.eos_token_id
+        self.vocab_size = largest_token_id(self.tokenizer) + 1  # what the model must embed
+        self.eos_id = self.tokenizer.eos_token_id
         self.train = None
         if cfg.source == "hub":
             self.heldout = self._stack(self.sequences(heldout_documents(cfg)))
@@ -277,26 +297,77 @@ class TextData:
     def sequences(self, docs: Iterable[str]) -> Iterator[torch.Tensor]:
         """The documents tokenized and packed into seq_len windows."""
         encoded = (self.tokenizer(doc, add_special_tokens=False)["input_ids"] for doc in docs)
-        return pack(encoded, self.cfg.seq_len, self._eos)
+        return pack(encoded, self.cfg.seq_len, self.eos_id)
 
     def _stack(self, sequences: Iterable[torch.Tensor]) -> torch.Tensor:
         seqs = list(sequences)
         return torch.stack(seqs) if seqs else torch.empty(0, self.cfg.seq_len, dtype=torch.long)
 
-    def peer_batches(self, batch_size: int, order_seed: int, position: int = 0) -> "BatchStream":
-        """An endless stream of [batch_size, seq_len] batches in this peer's order, from batch `position` on.
+    def peer_batches(self, batch_size: int, order_seed: int, shard: int = 0,
+                     state: Optional[dict] = None) -> "BatchStream":
+        """An endless stream of [batch_size, seq_len] batches in this peer's order.
 
-        Raises DataError at once when the corpus cannot fill one batch.
+        A hub source reads its shard `shard`, 0 <= shard < ``data.shards``; in-memory sources ignore
+        `shard` (every peer reads the whole small corpus). The stream starts at the beginning, or, with
+        `state` (a stream's ``state_dict()``), right after that stream's last batch. Raises DataError
+        (a ValueError) at once when the corpus cannot fill one batch, when the shard does not exist,
+        or when `state` belongs to another kind of source, shard or order seed.
         """
-        if position < 0:
-            raise ValueError(f"data: batch position {position} is negative; positions count batches from 0")
         if self.train is None:
-            return StreamedBatches(self, batch_size, order_seed, position)
-        return ShuffledBatches(self.train, batch_size, order_seed, position)
+            return StreamedBatches(self, batch_size, order_seed, shard, state)
+        if state is not None:
+            _check_state(state, ShuffledBatches, order_seed)
+        return ShuffledBatches(self.train, batch_size, order_seed, state["position"] if state else 0)
+
+    def for_peer(self, batch_size: int, order_seed: int) -> "PeerStreams":
+        """What a DiLoCo peer opens its stream from (:class:`p2p_diloco.train.diloco.PeerData`)."""
+        return PeerStreams(self, batch_size, order_seed)
+
+
+@dataclass
+class PeerStreams:
+    """One peer's batches: from which of `num_shards` shards (1 for in-memory sources), from which state."""
+
+    data: TextData
+    batch_size: int
+    order_seed: int
+
+    @property
+    def num_shards(self) -> int:
+        return self.data.cfg.shards if self.data.train is None else 1
+
+    def open(self, shard: int, state: Optional[dict]) -> "BatchStream":
+        return self.data.peer_batches(self.batch_size, self.order_seed, shard=shard, state=state)
+
+
+def _check_state(state: Any, stream: type["BatchStream"], order_seed: int, shard: Optional[int] = None,
+                 shards: Optional[int] = None) -> None:
+    """A saved stream state must be whole and come from a stream of this kind, order seed and shard."""
+    kind = stream.KIND
+    if not isinstance(state, dict):
+        raise DataError(f"data: the saved stream state is a {type(state).__name__}, not a stream's state_dict()")
+    if state.get("kind") != kind:
+        raise DataError(f"data: the saved stream state is of a {state.get('kind')!r} source, this config reads a "
+                        f"{kind!r} one")
+    missing = [key for key in stream.STATE_KEYS if key not in state]
+    if missing:
+        raise DataError(f"data: the saved stream state lacks {', '.join(missing)} (saved by another version?)")
+    if not (isinstance(state["position"], int) and state["position"] >= 0):
+        raise DataError(f"data: the saved stream state has position {state['position']!r}, not a batch count")
+    if state["order_seed"] != order_seed:
+        raise DataError("data: the saved stream state has another order seed (another run seed or peer identity)")
+    if shard is not None and (state["shard"], state["shards"]) != (shard, shards):
+        raise DataError(f"data: the saved stream state reads shard {state['shard']} of {state['shards']}, "
+                        f"not shard {shard} of {shards}")
 
 
 class BatchStream:
-    """An endless iterator of batches; ``position`` counts the batches read so far (what a checkpoint keeps)."""
+    """An endless iterator of batches; ``position`` counts the batches read so far (across restarts), and
+    ``state_dict()`` is what a checkpoint keeps to resume right after the last batch read: a small dict
+    of numbers, strings and lists that ``torch.save`` keeps and :meth:`TextData.peer_batches` takes back."""
+
+    KIND = ""
+    STATE_KEYS: tuple[str, ...] = ("kind", "order_seed", "position")
 
     def __init__(self, batch_size: int, order_seed: int, position: int):
         self.batch_size = batch_size
@@ -314,14 +385,19 @@ class BatchStream:
     def _batch(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
 
 class ShuffledBatches(BatchStream):
     """In-memory sequences, a fresh permutation per epoch; the incomplete last batch of an epoch is dropped.
 
     Epoch e is permuted by a generator seeded with (order_seed, e) alone, so batch p is found without
     replaying earlier epochs: a stream started at position p yields what an uninterrupted one yields
-    from its p-th batch on.
+    from its p-th batch on. Its state is that position.
     """
+
+    KIND = "in-memory"
 
     def __init__(self, train: torch.Tensor, batch_size: int, order_seed: int, position: int = 0):
         super().__init__(batch_size, order_seed, position)
@@ -341,36 +417,96 @@ class ShuffledBatches(BatchStream):
             self._epoch, self._order = epoch, self.epoch_order(epoch)
         return self.train[self._order[index * self.batch_size : (index + 1) * self.batch_size]]
 
+    def state_dict(self) -> dict:
+        return dict(kind=self.KIND, order_seed=self.order_seed, position=self.position)
+
 
 class StreamedBatches(BatchStream):
-    """A hub source, streamed pass after pass, each pass shuffled by (order_seed, start position, pass).
+    """One shard of a hub source (:func:`hub_shard`), pass after pass, in this peer's own order.
 
-    It cannot skip to a position yet: started at p it counts on from p, and mixing p into the shuffle
-    seeds at least keeps a restarted peer from replaying its previous order. A pass that yields no
-    complete batch raises DataError; the first batch is read at creation, so that happens at start-up.
+    The shard is read in stored order, HUB_SHUFFLE_BLOCK documents a block; each block is permuted
+    by a generator seeded with (order seed, pass, block), its held-out documents are dropped, and the
+    rest are tokenized and packed. The state after a batch is where that leaves the stream: the
+    pass and block, datasets' own resumable state of the shard at the block's start
+    (``IterableDataset.state_dict()``), how many of the block's documents are consumed, and the
+    tokens left in the packing buffer. Resuming reloads the shard's state, reads the block again,
+    permutes it alike and skips what was consumed: the batches are exactly those the uninterrupted
+    stream yields, and no document is tokenized twice in a pass, at the cost of re-reading one block.
+    datasets' resume reopens the file of the last arrow table it had read, skips the rows up to the
+    saved one, and leaves the files before unopened. (datasets' own ``shuffle(buffer_size=...)`` is not restored by
+    ``load_state_dict``: its buffer's contents are lost on resume, as the datasets docs say under
+    "Save a dataset checkpoint and resume iteration"; hence this block shuffle, whose block is re-read.)
+    The block size goes into the state, so a resumed stream cuts its blocks alike.
+
+    A pass drops its last incomplete batch; a pass that yields no complete batch raises DataError.
+    The first batch is read at creation, so that happens at start-up.
     """
 
-    def __init__(self, data: TextData, batch_size: int, order_seed: int, position: int = 0):
-        super().__init__(batch_size, order_seed, position)
-        self.data = data
-        self._passes = self._read_passes(start=position)
-        self._first: torch.Tensor | None = next(self._passes)
+    KIND = "hub"
+    STATE_KEYS = BatchStream.STATE_KEYS + ("shard", "shards", "block_size", "pass_index", "block", "block_start",
+                                           "consumed", "tokens")
 
-    def _read_passes(self, start: int) -> Iterator[torch.Tensor]:
-        cfg = self.data.cfg
-        for pass_index in itertools.count():
-            docs = hub_training_pass(cfg, derive_seed(self.order_seed, "pass", start, pass_index))
-            sequences = self.data.sequences(docs)
-            found = False
-            while len(batch := list(itertools.islice(sequences, self.batch_size))) == self.batch_size:
-                found = True
-                yield torch.stack(batch)
-            if not found:
-                raise _too_few_sequences(f"one pass over {cfg.hub_dataset!r} yields {len(batch)} training sequences",
-                                         cfg.seq_len, self.batch_size)
+    def __init__(self, data: TextData, batch_size: int, order_seed: int, shard: int = 0,
+                 state: Optional[dict] = None):
+        _check_shard(data.cfg, shard)
+        if state is not None:
+            _check_state(state, type(self), order_seed, shard, data.cfg.shards)
+        super().__init__(batch_size, order_seed, state["position"] if state else 0)
+        self.data, self.shard = data, shard
+        self._state = state or dict(kind=self.KIND, order_seed=order_seed, position=0, shard=shard,
+                                    shards=data.cfg.shards, block_size=HUB_SHUFFLE_BLOCK, pass_index=0, block=0,
+                                    block_start=None, consumed=0, tokens=[])
+        self.block_size = self._state["block_size"]
+        self._batches = self._read(self._state)
+        self._first: Optional[tuple[torch.Tensor, dict]] = next(self._batches)
+
+    def _read(self, start: dict) -> Iterator[tuple[torch.Tensor, dict]]:
+        """(batch, the state right after it) from `start` on."""
+        cfg, eos = self.data.cfg, self.data.eos_id
+        pass_index, block, block_start = start["pass_index"], start["block"], start["block_start"]
+        consumed, tokens = start["consumed"], list(start["tokens"])
+        sequences: list[torch.Tensor] = []
+        while True:
+            whole_pass = block_start is None and consumed == 0 and not tokens
+            stream = hub_shard(cfg, self.shard)
+            if block_start is not None:
+                stream.load_state_dict(copy.deepcopy(block_start))
+            rows = iter(stream)
+            batches_this_pass = 0
+            while docs := list(_texts(cfg, itertools.islice(rows, self.block_size))):
+                generator = torch.Generator().manual_seed(derive_seed(self.order_seed, "pass", pass_index, block))
+                order = torch.randperm(len(docs), generator=generator).tolist()
+                while True:
+                    while len(tokens) >= cfg.seq_len:
+                        sequences.append(torch.tensor(tokens[: cfg.seq_len], dtype=torch.long))
+                        tokens = tokens[cfg.seq_len :]
+                        if len(sequences) == self.batch_size:
+                            batches_this_pass += 1
+                            yield torch.stack(sequences), dict(
+                                start, pass_index=pass_index, block=block, block_start=block_start,
+                                consumed=consumed, tokens=list(tokens))
+                            sequences = []
+                    if consumed == len(docs):
+                        break
+                    doc = docs[order[consumed]]
+                    consumed += 1
+                    if not is_holdout(doc, cfg.holdout_fraction):
+                        tokens.extend(self.data.tokenizer(doc, add_special_tokens=False)["input_ids"])
+                        tokens.append(eos)
+                block, consumed = block + 1, 0
+                block_start = copy.deepcopy(stream.state_dict())
+            if batches_this_pass == 0 and whole_pass:
+                raise _too_few_sequences(f"one pass over shard {self.shard} of {cfg.hub_dataset!r} yields "
+                                         f"{len(sequences)} training sequences", cfg.seq_len, self.batch_size)
+            pass_index, block, block_start, consumed, tokens, sequences = pass_index + 1, 0, None, 0, [], []
 
     def _batch(self) -> torch.Tensor:
         if self._first is not None:
-            batch, self._first = self._first, None
-            return batch
-        return next(self._passes)
+            (batch, self._state), self._first = self._first, None
+        else:
+            batch, self._state = next(self._batches)
+        return batch
+
+    def state_dict(self) -> dict:
+        """The state after the last batch taken (at creation: the state it started from)."""
+        return dict(copy.deepcopy(self._state), position=self.position)

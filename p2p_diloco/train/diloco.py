@@ -31,12 +31,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Iterator, Optional, Protocol
 
 import torch
 
 from p2p_diloco import faults
-from p2p_diloco.config import Config
+from p2p_diloco.config import Config, settings_fingerprint
 from p2p_diloco.metrics import MetricsWriter
 from p2p_diloco.swarm.liveness import answering
 from p2p_diloco.swarm.node import RunNode
@@ -44,19 +44,47 @@ from p2p_diloco.swarm.progress import (
     LEFT, LOADING, READY, TRAINING, RoundPlan, SwarmProgress, plan_averaging, plan_round,
 )
 from p2p_diloco.swarm.records import RecordPublisher, assistance_key
+from p2p_diloco.swarm import status as peer_status
+from p2p_diloco.swarm.status import StatusPublisher, choose_shard, read_status, settings_mismatch
 from p2p_diloco.sync.outer_sync import GroupMean, OuterSync, RoundFailed
 from p2p_diloco.sync.state_transfer import StateExpectation, download_global_state, nobody_serves
 from p2p_diloco.train.checkpoint import load_checkpoint, save_checkpoint
+from p2p_diloco.train.data import DataError
 from p2p_diloco.train.fragments import FragmentSchedule, model_fragments
 from p2p_diloco.train.inner import InnerTrainer
 from p2p_diloco.train.model import trainable_parameters
 from p2p_diloco.train.outer import GlobalModel
-from p2p_diloco.train.utilization import ComputeClock
+from p2p_diloco.train.utilization import ComputeClock, RecentRate
 
 logger = logging.getLogger(__name__)
 
 ROUND_CHECK_PERIOD_S = 1.0  # how often the inner loop looks whether the swarm is ready to average
 EXCLUDED_AFTER_ROUNDS = 3  # rounds in a row without an outer step after which a peer says it is excluded
+
+
+class RunSettingsMismatch(RuntimeError):
+    """The run's live peers all train with other settings: this peer can never average with them."""
+
+
+class BatchStream(Protocol):
+    """A peer's endless batches; ``state_dict()`` resumes it after the last batch taken (a checkpoint keeps it)."""
+
+    position: int  # batches taken so far
+
+    def __next__(self) -> torch.Tensor: ...
+
+    def __iter__(self) -> Iterator[torch.Tensor]: ...
+
+    def state_dict(self) -> dict: ...
+
+
+class PeerData(Protocol):
+    """Where a peer's batches come from: one of `num_shards` disjoint shards (1: every peer reads all
+    the data, each in its own order), from the start or from a stream's saved `state`."""
+
+    num_shards: int
+
+    def open(self, shard: int, state: Optional[dict]) -> BatchStream: ...
 
 
 class Contribution:
@@ -68,11 +96,16 @@ class Contribution:
         self._synced = [0] * num_fragments  # total_samples already in each fragment's θ_global
         self.loss_sum = 0.0
         self.steps = 0
+        self.last_mean_loss: Optional[float] = None
 
     def add(self, loss: float, samples: int) -> None:
         self.total_samples += samples
         self.loss_sum += loss
         self.steps += 1
+
+    def recent_loss(self) -> Optional[float]:
+        """The mean loss of the inner steps since the last outer_step record, or of those before it."""
+        return self.loss_sum / self.steps if self.steps else self.last_mean_loss
 
     def samples(self, fragment: int) -> int:
         return self.total_samples - self._synced[fragment]
@@ -82,6 +115,7 @@ class Contribution:
         self._synced[fragment] += samples
         mean_loss = self.loss_sum / max(self.steps, 1)
         self.loss_sum, self.steps = 0.0, 0
+        self.last_mean_loss = mean_loss
         return mean_loss
 
 
@@ -97,29 +131,33 @@ class SyncOutcome:
 class DiLoCoPeer:
     """One training peer: a model, its inner trainer, θ_global, and its link to the swarm.
 
-    `batches_from(position)` yields this peer's training batches from its `position`-th on; the
-    peer counts the batches it takes and keeps the count in its checkpoint, so a restarted peer goes
-    on with the data it had not seen. `node` is its DHT node, with the identity that signs its records
-    and how others reach it; `fingerprint` the run settings it trains with
-    (:func:`p2p_diloco.config.run_fingerprint`).
+    `data` opens this peer's stream of training batches (a shard no other live peer reads, when the
+    data is sharded); the stream's state goes into the checkpoint, so a restarted peer goes on with
+    the data it had not seen. `node` is its DHT node, with the identity that signs its records and how
+    others reach it; `settings` the run settings it trains with (:func:`p2p_diloco.config.shared_settings`),
+    whose fingerprint decides which peers it averages with. `display` shows the inner steps' progress
+    (:class:`p2p_diloco.train.display.InnerProgress`), if given.
     """
 
     def __init__(
         self,
         cfg: Config,
         model: torch.nn.Module,
-        batches_from: Callable[[int], Iterator[torch.Tensor]],
+        data: PeerData,
         node: RunNode,
-        fingerprint: str,
+        settings: dict[str, Any],
         metrics: Optional[MetricsWriter] = None,
         stop_event: Optional[threading.Event] = None,
+        display: Any = None,
     ):
         self.cfg = cfg
         self.model = model
         self.local_params = trainable_parameters(model)
-        self._batches_from = batches_from
-        self.data_position = 0  # batches taken from this peer's data stream
-        self.inner = InnerTrainer(model, cfg.inner, self._counted_batches(0))
+        self.data = data
+        self.data_shard: Optional[int] = None  # chosen when the peer joins (from its checkpoint, or free)
+        self._saved_data_state: Optional[dict] = None  # the stream's state in a restored checkpoint
+        self.inner = InnerTrainer(model, cfg.inner, iter(()))  # batches from _open_data
+        self.display = display
         self.global_model = GlobalModel(self.local_params, cfg.outer)
         self.schedule = FragmentSchedule(model_fragments(model, cfg.outer), cfg.inner.steps_per_outer,
                                          cfg.outer.sync_delay)
@@ -127,16 +165,23 @@ class DiLoCoPeer:
         self.steps_ahead = 0  # inner steps of the next round, run while the last round's sync was in flight
         self._sync_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
         self.clock = ComputeClock()  # inner seconds against wall seconds, per outer_step record
+        self.samples_per_s = RecentRate()  # of the last inner steps, for the status record
         self.peer_id = node.dht.peer_id.to_base58()
         self.reachability = node.reachability
         self.rounds_not_applied = 0  # in a row: the peer says it is excluded after EXCLUDED_AFTER_ROUNDS
         self.metrics = metrics or MetricsWriter(None, self.peer_id)
         self.stop_event = stop_event or threading.Event()
+        self.stream: Optional[BatchStream] = None
         self._state_lock = threading.Lock()  # guards θ_global while a joiner downloads it
         self.checkpoint_dir = cfg.swarm.checkpoint_dir or None
         self.sha256 = self.global_model.sha256()
         self.last_group_size = 1
         self.distrusted_donors: set[str] = set()  # peers that served a malformed state
+        self.settings = settings
+        fingerprint = settings_fingerprint(settings)
+        self.status = StatusPublisher(node.dht, cfg.run.name, node.identity.record_subkey, cfg.swarm.progress_ttl,
+                                      fingerprint=fingerprint, settings=settings, reachability=node.reachability.mode,
+                                      device=describe_device(self.inner.device))
         self.progress = SwarmProgress(node.dht, cfg.run.name, cfg.swarm.progress_ttl, node.identity.record_subkey,
                                       fingerprint, node.reachability.mode,
                                       answering=functools.partial(answering, node.dht))
@@ -158,17 +203,6 @@ class DiLoCoPeer:
                                allreduce_timeout=swarm.allreduce_timeout, next_chunk_timeout=swarm.next_chunk_timeout,
                                codec=self.cfg.outer.codec, fragments=self.schedule.fragments))
         return publisher
-
-    def _counted_batches(self, position: int) -> Iterator[torch.Tensor]:
-        """The data stream from `position` on, counting in `data_position` the batches taken."""
-        self.data_position = position
-
-        def counted() -> Iterator[torch.Tensor]:
-            for batch in self._batches_from(position):
-                self.data_position += 1
-                yield batch
-
-        return counted()
 
     # ----- state shared with joiners -------------------------------------------------------------
     def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
@@ -199,6 +233,11 @@ class DiLoCoPeer:
             if wait_for_peers > 1:
                 logger.info("waiting for %d peers before training", wait_for_peers)
                 self.progress.wait_for_peers(wait_for_peers, self.cfg.swarm.start_wait_timeout, self.stop_event)
+            statuses = read_status(self.progress.dht, self.cfg.run.name)
+            mismatch = settings_mismatch(statuses, self.peer_id, self.settings, self.fingerprint, self.cfg.run.name)
+            if mismatch is not None:
+                raise RunSettingsMismatch(mismatch)
+            self._open_data(statuses)
             self.clock.reset()  # start-up is not part of any outer step
             while not self._stopping():
                 if max_outer_steps is not None and self.global_model.outer_step >= max_outer_steps:
@@ -210,13 +249,39 @@ class DiLoCoPeer:
         finally:
             self._leave()
 
+    @property
+    def fingerprint(self) -> str:
+        return self.status.fingerprint
+
     def _join(self) -> None:
-        restored = self._restore_checkpoint()
+        self.restored = self._restore_checkpoint()
         self._after_state_change()
         self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
+        self.status.publish(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done,
+                            data_shard=self.data_shard)
+        logger.info("joined at outer step %d (%s)", self.global_model.outer_step,
+                    "checkpoint" if self.restored else "fresh")
+
+    def _open_data(self, statuses: dict) -> None:
+        """This peer's data stream: where its checkpoint left it, or a shard that no live peer reads."""
+        if self.data_shard is None:
+            self.data_shard = choose_shard(statuses, self.peer_id, self.data.num_shards)
+        try:
+            stream = self.data.open(self.data_shard, self._saved_data_state)
+        except DataError as e:
+            if self._saved_data_state is None:
+                raise
+            logger.warning("cannot resume the data stream of the checkpoint (%s): reading shard %d from its start",
+                           e, self.data_shard)
+            stream = self.data.open(self.data_shard, None)
+        self.inner.batches = stream
+        self.stream = stream
+        if self.data.num_shards > 1:
+            logger.info("reading data shard %d of %d from batch %d", self.data_shard, self.data.num_shards,
+                        stream.position)
+        self.status.publish(phase=peer_status.TRAINING, data_shard=self.data_shard)
         self.metrics.write("join", outer_step=self.global_model.outer_step, global_sha256=self.sha256,
-                           from_checkpoint=restored, data_position=self.data_position)
-        logger.info("joined at outer step %d (%s)", self.global_model.outer_step, "checkpoint" if restored else "fresh")
+                           from_checkpoint=self.restored, data_shard=self.data_shard, data_position=stream.position)
 
     def _round(self) -> None:
         """Inner steps until this outer step's fragment is due, then its sync: blocking (τ = 0), or in the
@@ -228,6 +293,9 @@ class DiLoCoPeer:
             return
         samples = self.contribution.samples(fragment)
         self.progress.publish(step, self.sha256, READY, samples)
+        self.status.publish(phase=peer_status.SYNCING)
+        if self.display is not None:
+            self.display.syncing()
         pseudo_gradient = self.global_model.pseudo_gradient(self.local_params, self.schedule.fragments[fragment])
         sync = functools.partial(self._sync, step, fragment, pseudo_gradient, samples)
         steps_while_syncing = 0
@@ -243,6 +311,7 @@ class DiLoCoPeer:
             self._apply(outcome.result, fragment, samples, steps_while_syncing)
         elif outcome.event is not None:
             self._not_applied(step, outcome.reason, outcome.event)
+        self.status.publish(phase=peer_status.TRAINING, outer_step=self.global_model.outer_step)
 
     def _train_round(self, step: int) -> bool:
         """The inner steps of outer step `step` (those run during the last sync count); False if stopping.
@@ -252,6 +321,8 @@ class DiLoCoPeer:
         volunteer never makes the others wait for its full H/P steps.
         """
         steps_this_round, self.steps_ahead = self.steps_ahead, 0
+        if self.display is not None:
+            self.display.start_round(step, self.schedule.steps_per_sync, done=steps_this_round)
         next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
         while steps_this_round < self.schedule.steps_per_sync:
             if self._stopping():
@@ -271,10 +342,16 @@ class DiLoCoPeer:
         for done in range(count):
             if self._stopping():
                 return done
+            started = time.perf_counter()
             with self.clock.inner_step():
                 loss, n = self.inner.step()
                 faults.after_inner_step()
             self.contribution.add(loss, n)
+            self.samples_per_s.add(n, time.perf_counter() - started)
+            if self.display is not None:
+                self.display.step(loss, n * self.cfg.data.seq_len)
+            self.status.update(inner_steps=self.inner.steps_done, samples_per_s=self.samples_per_s.rate(),
+                               loss=self.contribution.recent_loss())
         return count
 
     def _sync(self, step: int, fragment: int, pseudo_gradient: list[torch.Tensor], samples: int) -> SyncOutcome:
@@ -361,6 +438,7 @@ class DiLoCoPeer:
     def _load_from_peers(self, plan: RoundPlan) -> bool:
         logger.info("loading global state from peers: %s", plan.reason)
         self.progress.publish(plan.target_step, self.sha256, LOADING)  # peers at that step wait for this one
+        self.status.publish(phase=peer_status.LOADING)
         self.sync.share_state(False)  # nobody should copy a state we are replacing
         expected = StateExpectation(tuple(tuple(p.shape) for p in self.local_params), plan.target_step,
                                     plan.target_sha256)
@@ -373,6 +451,7 @@ class DiLoCoPeer:
             self.sync.share_state(True)
         failures = {peer: str(why) for peer, why in failed_donors.items()}
         if state is None:
+            self.status.publish(phase=peer_status.TRAINING)
             if nobody_serves(failed_donors, plan.target_step):
                 self.progress.set_aside(plan.claims or {})
             logger.warning("could not download the global state; training on from outer step %d",
@@ -389,6 +468,8 @@ class DiLoCoPeer:
             self.rounds_not_applied = 0
             self._after_state_change()
         self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
+        self.status.publish(phase=peer_status.TRAINING, outer_step=self.global_model.outer_step,
+                            inner_steps=self.inner.steps_done)
         self.metrics.write("state_loaded", outer_step=state.outer_step, global_sha256=self.sha256, reason=plan.reason,
                            donor=state.donor, failed_donors=failures)
         logger.info("loaded global state at outer step %d (%s) from %s", state.outer_step, self.sha256[:12],
@@ -405,7 +486,8 @@ class DiLoCoPeer:
                 outer_step=self.global_model.outer_step,
                 sha256=self.sha256,
                 inner_steps=self.inner.steps_done,
-                data_position=self.data_position,
+                data_shard=self.data_shard,
+                data_state=self.stream.state_dict() if self.stream is not None else None,
                 global_state=[t.clone() for t in self.global_model.state_tensors()],
                 inner_optimizer=self.inner.optimizer.state_dict(),
             )
@@ -422,18 +504,33 @@ class DiLoCoPeer:
             self.global_model.copy_to(self.local_params)
             self.inner.optimizer.load_state_dict(state["inner_optimizer"])
             self.inner.fast_forward_schedule(state["inner_steps"])
-            self.inner.batches = self._counted_batches(state.get("data_position", 0))
+        self.data_shard, self._saved_data_state = state.get("data_shard"), state.get("data_state")
+        if self.data_shard is not None and not 0 <= self.data_shard < self.data.num_shards:
+            logger.warning("the checkpoint's data shard %d is not one of the %d shards of this config: reading "
+                           "another shard from its start", self.data_shard, self.data.num_shards)
+            self.data_shard, self._saved_data_state = None, None
         return True
 
     def _leave(self) -> None:
         """Tell the swarm this peer is gone, then stop the averager (the caller stops the DHT)."""
         try:
             self.progress.publish(self.global_model.outer_step, self.sha256, LEFT)
+            self.status.publish(phase=peer_status.LEFT)
         except Exception as e:  # leaving must not fail because the DHT is already unreachable
             logger.debug("could not publish the leave record: %s", e)
+        if self.display is not None:
+            self.display.close()
         self.progress.close()
+        self.status.close()
         if self.assistance is not None:
             self.assistance.close()
         self.metrics.write("exit", outer_step=self.global_model.outer_step, global_sha256=self.sha256)
         self._sync_thread.shutdown(wait=True)
         self.sync.shutdown()
+
+
+def describe_device(device: torch.device) -> str:
+    """``"cpu"``, or ``"cuda:0 NVIDIA H100 80GB HBM3"``: what a status table shows of a peer's device."""
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return str(device)

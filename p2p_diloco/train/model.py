@@ -14,9 +14,13 @@ POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_l
 
 
 def check_sequence_length(model_config, seq_len: int, model_name: str) -> None:
-    """A hub model's own position limit, which the `[model]` sizes of the run config do not describe."""
-    limit = next((getattr(model_config, key) for key in POSITION_LIMIT_KEYS
-                  if isinstance(getattr(model_config, key, None), int)), None)
+    """A hub model's own position limit, which the `[model]` sizes of the run config do not describe.
+
+    A composite config (a vision tower beside a text decoder) keeps the limit in its text sub-config.
+    """
+    configs = (model_config.get_text_config(decoder=True), model_config)
+    limit = next((getattr(config, key) for config in configs for key in POSITION_LIMIT_KEYS
+                  if isinstance(getattr(config, key, None), int)), None)
     if limit is not None and seq_len > limit:
         raise ConfigError(f"config: data.seq_len = {seq_len} exceeds the {limit} positions model {model_name!r} takes")
 
@@ -26,7 +30,9 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int, seq_len: int | Non
 
     ``cfg.name == "llama"`` builds a Llama-architecture model from the sizes in the config; any other
     name is looked up with ``AutoConfig`` (hub or local path) and initialised from scratch, and
-    `seq_len`, when given, is checked against that model's own position limit.
+    `seq_len`, when given, is checked against that model's own position limit. A hub model embeds
+    `vocab_size` tokens, whatever its own tokenizer has (:func:`fit_vocabulary`): it is trained from
+    scratch on the run's tokenizer. :func:`check_vocabulary_fits` tells whether it does.
     """
     if cfg.name == "llama":
         model_config = LlamaConfig(
@@ -40,13 +46,62 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int, seq_len: int | Non
             tie_word_embeddings=False,
         )
     else:
-        model_config = AutoConfig.from_pretrained(cfg.name, vocab_size=vocab_size)
+        model_config = AutoConfig.from_pretrained(cfg.name)
+        fit_vocabulary(model_config, vocab_size)
         if seq_len is not None:
             check_sequence_length(model_config, seq_len, cfg.name)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(model_config, attn_implementation="eager")
     return model
+
+
+SPECIAL_TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def fit_vocabulary(model_config, vocab_size: int) -> None:
+    """Make a hub model's config embed `vocab_size` tokens, the run tokenizer's.
+
+    ``AutoConfig.from_pretrained(name, vocab_size=n)`` sets only attributes the top-level config has:
+    a composite config (Gemma 3, Llama 4, Qwen3.5: a vision tower beside a text decoder) keeps its
+    vocabulary in a text sub-config, and the keyword would be dropped without a word, leaving an
+    embedding of the model's own size. Special token ids of the model's own tokenizer that fall
+    outside the new vocabulary are cleared: ``nn.Embedding`` refuses a ``padding_idx`` (the config's
+    pad_token_id) past its size.
+    """
+    text_config = model_config.get_text_config(decoder=True)
+    text_config.vocab_size = vocab_size
+    for config in {id(c): c for c in (model_config, text_config)}.values():
+        for key in SPECIAL_TOKEN_KEYS:
+            ids = getattr(config, key, None)
+            if isinstance(ids, int) and ids >= vocab_size:
+                setattr(config, key, None)
+            elif isinstance(ids, list) and any(isinstance(i, int) and i >= vocab_size for i in ids):
+                setattr(config, key, [i for i in ids if i < vocab_size] or None)
+
+
+def largest_token_id(tokenizer) -> int:
+    """The largest id the tokenizer can emit: its vocabulary, added tokens and EOS may leave gaps past len()."""
+    eos = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, int) else 0
+    return max(max(tokenizer.get_vocab().values(), default=0), len(tokenizer) - 1, eos)
+
+
+def check_vocabulary_fits(model: PreTrainedModel, tokenizer, model_name: str, tokenizer_name: str) -> None:
+    """A token id the embedding cannot look up fails mid-run (a CUDA device-side assert): refuse it at start.
+
+    Checked on the built model, whatever its config is made of: :func:`fit_vocabulary` sizes the
+    architectures this project knows of, and this catches one whose config keeps its vocabulary
+    where that does not look.
+    """
+    embedded = model.get_input_embeddings().num_embeddings
+    head = model.get_output_embeddings()  # the labels index its logits
+    if isinstance(head, torch.nn.Linear):
+        embedded = min(embedded, head.out_features)
+    largest = largest_token_id(tokenizer)
+    if largest >= embedded:
+        raise ConfigError(f"config: tokenizer {tokenizer_name!r} emits token ids up to {largest}, but model "
+                          f"{model_name!r} embeds only {embedded} tokens; use a tokenizer whose vocabulary fits "
+                          f"the model (for a hub model, its own tokenizer)")
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

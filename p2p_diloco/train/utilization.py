@@ -10,6 +10,7 @@ still for that long.
 
 from __future__ import annotations
 
+import collections
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -45,3 +46,17 @@ class ComputeClock:
                    compute_utilization=compute_utilization(self._inner_s, wall_s))
         self.reset()
         return lap
+
+
+class RecentRate:
+    """Samples per second over the last `window` inner steps (their compute time, not the waits between)."""
+
+    def __init__(self, window: int = 20):
+        self._steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+
+    def add(self, samples: int, seconds: float) -> None:
+        self._steps.append((samples, seconds))
+
+    def rate(self) -> float:
+        seconds = sum(s for _, s in self._steps)
+        return sum(n for n, _ in self._steps) / seconds if seconds > 0 else 0.0

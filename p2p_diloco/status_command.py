@@ -1,0 +1,107 @@
+"""What `p2p-diloco status` does: join the DHT as a client, read the peers' status records, print them.
+
+The node it starts stores nothing for others and trains nothing; it checks every record's signature
+(a record in another peer's name is dropped by the DHT validators) and every status record's schema
+(a malformed one is skipped with a warning). It also asks each peer that others can dial whether it
+answers now: a peer whose record has not expired yet may have crashed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from typing import Optional, Sequence
+
+from p2p_diloco.node_runner import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, fail, setup_logging, shutdown_dht
+
+logger = logging.getLogger(__name__)
+
+COLUMNS = ("peer", "step", "phase", "inner steps", "samples/s", "loss", "reach", "answers", "device", "version",
+           "uptime", "shard", "settings")
+
+
+def find_runs(dht) -> dict[str, int]:
+    """Run name -> how many live peers announce it (``p2p_diloco_runs``), from the signed, valid records."""
+    from p2p_diloco.swarm.records import RunAnnouncement, runs_key, signed_records
+
+    return dict(Counter(record.run for _, record, _ in signed_records(dht, runs_key(), RunAnnouncement,
+                                                                      "run announcement")))
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def run_rows(statuses: dict, answering: set[str]) -> list[dict]:
+    """One dict per peer, for JSON, ordered by outer step (highest first), then peer ID."""
+    rows = []
+    for peer_id, status in statuses.items():
+        row = status.as_dict()
+        row["answers"] = (peer_id in answering) if status.record.reachability == "direct" else None
+        rows.append(row)
+    return sorted(rows, key=lambda r: (-r["outer_step"], r["peer_id"]))
+
+
+def format_run(run: str, rows: list[dict]) -> str:
+    """The table of one run, with a line that says how many peers train with which settings."""
+    fingerprints = Counter(r["fingerprint"] for r in rows)
+    main = fingerprints.most_common(1)[0][0] if rows else None
+    step = max((r["outer_step"] for r in rows if r["fingerprint"] == main), default=0)
+    header = f"run {run}: {len(rows)} live peer(s), outer step {step}"
+    if main is not None:
+        header += f", settings {main[:12]}"
+    if len(fingerprints) > 1:
+        header += f" ({sum(fingerprints.values()) - fingerprints[main]} peer(s) on other settings: they never average " \
+                  f"with the others)"
+    cells = [[
+        r["peer_id"][-8:], str(r["outer_step"]), r["phase"], str(r["inner_steps"]), f"{r['samples_per_s']:.1f}",
+        "-" if r["loss"] is None else f"{r['loss']:.3f}",
+        "direct" if r["reachability"] == "direct" else "NAT",
+        {True: "yes", False: "NO", None: "-"}[r["answers"]], r["device"], r["version"], _duration(r["uptime_s"]),
+        "-" if r["data_shard"] is None else str(r["data_shard"]),
+        r["fingerprint"][:8] + ("" if r["fingerprint"] == main else " (other)"),
+    ] for r in rows]
+    widths = [max(len(c) for c in column) for column in zip(COLUMNS, *cells)]
+    lines = [header, "  ".join(h.ljust(w) for h, w in zip(COLUMNS, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def run_status(initial_peers: Sequence[str], run: Optional[str], as_json: bool, verbose: bool) -> int:
+    setup_logging(verbose)
+    from p2p_diloco.swarm.identity import Identity
+    from p2p_diloco.swarm.liveness import answering
+    from p2p_diloco.swarm.node import NodeAddressError, start_dht
+    from p2p_diloco.swarm.records import node_validators
+    from p2p_diloco.swarm.status import read_status
+
+    identity = Identity.load_or_create(None)
+    try:
+        dht = start_dht("127.0.0.1", 0, identity, node_validators(identity), initial_peers=initial_peers,
+                        client_mode=True)
+    except NodeAddressError as e:
+        return fail(str(e), EXIT_USAGE)
+    except ConnectionError as e:
+        return fail(str(e), EXIT_UNREACHABLE)
+    try:
+        runs = [run] if run else sorted(find_runs(dht))
+        report = []
+        for name in runs:
+            statuses = read_status(dht, name)
+            direct = [pid for pid, s in statuses.items() if s.record.reachability == "direct"]
+            report.append(dict(run=name, peers=run_rows(statuses, answering(dht, direct))))
+    finally:
+        shutdown_dht(dht)
+    if as_json:
+        print(json.dumps(dict(time=time.time(), runs=report), indent=2))
+    elif not report:
+        print("no run found on this swarm: no peer announces one (peers started moments ago may not show yet)")
+    else:
+        print("\n\n".join(format_run(r["run"], r["peers"]) if r["peers"] else f"run {r['run']}: no live peer"
+                          for r in report))
+    return EXIT_OK

@@ -1,0 +1,148 @@
+"""What each peer tells the world about itself, for people (``p2p-diloco status``) and for joiners.
+
+Besides its progress record (which peers act on), every peer keeps a *status record* under
+``<run>_status``: its outer step and phase, inner steps, samples per second, last loss, whether
+others can dial it, its version, device and uptime, the data shard it reads, and the run settings it
+trains with (:func:`p2p_diloco.config.shared_settings`) with their fingerprint. Like every run
+record it sits under the peer's owner subkey and carries its signature
+(:mod:`p2p_diloco.swarm.records`, where its schema :class:`StatusValue` is).
+
+Nothing a peer decides about averaging depends on a status record: a stranger's false status can
+mislead a reader of the table, never split the run. Two decisions do read them, both at start-up:
+
+* a joiner that finds the run's live peers all on another fingerprint stops, naming the settings
+  that differ (:func:`settings_mismatch`): it could never average with them;
+* a peer reading a sharded stream picks a data shard that no live peer reads (:func:`choose_shard`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hivemind import DHT
+
+from p2p_diloco.config import settings_differences, settings_fingerprint
+from p2p_diloco.swarm.records import RecordPublisher, StatusValue, read_signed, runs_key, signed_records, status_key
+
+logger = logging.getLogger(__name__)
+
+STARTING, TRAINING, SYNCING, LOADING, LEFT = "starting", "training", "syncing", "loading", "left"
+
+@dataclass(frozen=True)
+class PeerStatus:
+    """An accepted status record and its author (the peer whose key signed it)."""
+
+    peer_id: str
+    record: StatusValue
+    expires_at: float  # DHT time
+
+    @property
+    def settings_trusted(self) -> bool:
+        """Whether the published settings are the ones its fingerprint was computed from."""
+        return settings_fingerprint(self.record.settings) == self.record.fingerprint
+
+    def as_dict(self) -> dict[str, Any]:
+        """For ``status --json``: the record without the settings (they are the run's, once per run)."""
+        record = self.record.dict(exclude={"settings"})
+        return dict(peer_id=self.peer_id, **record)
+
+
+def parse_status(subkey: object, value: object, expires_at: float = 0.0) -> Optional[PeerStatus]:
+    """The record of the peer that signed it, or None (logged once per author) if it is malformed."""
+    parsed = read_signed(StatusValue, subkey, value, "status record")
+    return None if parsed is None else PeerStatus(*parsed, expires_at)
+
+
+def read_status(dht: DHT, run_name: str) -> dict[str, PeerStatus]:
+    """The run's live status records by peer ID, whatever their fingerprint (peers that left omitted)."""
+    return {author: PeerStatus(author, record, expires_at)
+            for author, record, expires_at in signed_records(dht, status_key(run_name), StatusValue, "status record")
+            if record.phase != LEFT}
+
+
+def settings_mismatch(statuses: dict[str, PeerStatus], peer_id: str, settings: dict[str, Any],
+                      fingerprint: str, run_name: str) -> Optional[str]:
+    """None when this peer can train in the run; else one line saying why not.
+
+    The run is the other live peers. When none of them shares this peer's fingerprint, this peer
+    could never average with them: it is told which settings differ (from the most common other
+    fingerprint's published settings, when they hash to that fingerprint).
+    """
+    others = [s for pid, s in statuses.items() if pid != peer_id]
+    if not others or any(s.record.fingerprint == fingerprint for s in others):
+        return None
+    counts = Counter(s.record.fingerprint for s in others)
+    theirs, count = counts.most_common(1)[0]
+    example = next(s for s in others if s.record.fingerprint == theirs and s.settings_trusted) if any(
+        s.record.fingerprint == theirs and s.settings_trusted for s in others) else None
+    differs = ("; ".join(settings_differences(settings, example.record.settings)) if example is not None
+               else "its peers publish no settings that match their fingerprint")
+    return (f"run {run_name!r} is trained with other settings ({count} of {len(others)} live peers on fingerprint "
+            f"{theirs[:12]}, this peer {fingerprint[:12]}): {differs}. Join it with the run's own manifest "
+            f"or config, or pick another run.name")
+
+
+def choose_shard(statuses: dict[str, PeerStatus], peer_id: str, num_shards: int) -> int:
+    """A data shard for a peer that has none yet: one no live peer reads, if any is left.
+
+    Peers that start together see each other without a shard (phase ``starting``): they take the
+    free shards in the order of their peer IDs, so they take different ones. A peer that sees no
+    free shard shares one, chosen by its peer ID.
+    """
+    taken = {s.record.data_shard for pid, s in statuses.items() if pid != peer_id and s.record.data_shard is not None}
+    free = [shard for shard in range(num_shards) if shard not in taken]
+    if not free:
+        return int.from_bytes(peer_id.encode()[-4:], "big") % num_shards
+    choosing = sorted({peer_id} | {pid for pid, s in statuses.items() if s.record.data_shard is None})
+    return free[choosing.index(peer_id) % len(free)]
+
+
+class StatusPublisher:
+    """Keeps this peer's status record, and its run's announcement, fresh on the DHT.
+
+    :meth:`update` changes fields that move all the time (inner steps, throughput, loss): they are
+    stored at the next refresh, every ``REFRESH_S`` seconds. :meth:`publish` stores at once, for a
+    new phase or outer step. Every value is checked against the schema before it is stored: a bug
+    here must show in this peer, not as a warning in every reader.
+    """
+
+    REFRESH_S = 10.0
+
+    def __init__(self, dht: DHT, run_name: str, record_subkey: bytes, ttl: float, *, fingerprint: str,
+                 settings: dict[str, Any], reachability: str, device: str):
+        from p2p_diloco import __version__
+
+        self.started = time.monotonic()
+        self.fingerprint = fingerprint
+        self._last_update = 0.0
+        self._fields: dict[str, Any] = dict(
+            outer_step=0, phase=STARTING, inner_steps=0, samples_per_s=0.0, loss=None, reachability=reachability,
+            version=__version__, device=device[:64], uptime_s=0.0, data_shard=None, fingerprint=fingerprint,
+            settings=settings,
+        )
+        self._status = RecordPublisher(dht, status_key(run_name), record_subkey, ttl, "status", self.REFRESH_S)
+        self._announcement = RecordPublisher(dht, runs_key(), record_subkey, ttl, "run announcement")
+        self._announcement.publish(dict(run=run_name, fingerprint=fingerprint, time=time.time()))
+
+    def _value(self) -> dict[str, Any]:
+        value = dict(self._fields, uptime_s=time.monotonic() - self.started, time=time.time())
+        StatusValue.parse_obj(value)
+        return value
+
+    def update(self, **fields: Any) -> None:
+        self._fields.update(fields)
+        if time.monotonic() - self._last_update >= 1.0:  # building a value is cheap, not free: not every step
+            self._last_update = time.monotonic()
+            self._status.update(self._value())
+
+    def publish(self, **fields: Any) -> None:
+        self._fields.update(fields)
+        self._status.publish(self._value(), keep_fresh=self._fields["phase"] != LEFT)
+
+    def close(self) -> None:
+        self._status.close()
+        self._announcement.close()

@@ -1,0 +1,101 @@
+"""Status records without a network: their schema, what a joiner concludes from them, the table."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from p2p_diloco.config import run_fingerprint, settings_differences, settings_fingerprint, shared_settings
+from p2p_diloco.status_command import format_run, run_rows
+from p2p_diloco.swarm.identity import Identity
+from p2p_diloco.swarm.status import PeerStatus, choose_shard, parse_status, settings_mismatch
+from tests.conftest import tiny_config
+
+CFG = tiny_config()
+SETTINGS = shared_settings(CFG, "a" * 64)
+FINGERPRINT = settings_fingerprint(SETTINGS)
+
+
+def status_value(**change) -> dict:
+    value = dict(outer_step=3, phase="training", inner_steps=30, samples_per_s=12.5, loss=4.25, reachability="direct",
+                 version="0.1.0", device="cpu", uptime_s=95.0, data_shard=None, fingerprint=FINGERPRINT,
+                 settings=SETTINGS, time=time.time())
+    return {**value, **change}
+
+
+def peer(peer_id: str, **change) -> PeerStatus:
+    status = parse_status(Identity.load_or_create(None).record_subkey, status_value(**change))
+    assert status is not None
+    return PeerStatus(peer_id, status.record, 0.0)
+
+
+def test_a_status_record_is_read_with_its_author():
+    identity = Identity.load_or_create(None)
+    status = parse_status(identity.record_subkey, status_value())
+    assert status.peer_id == identity.peer_id and status.record.outer_step == 3 and status.settings_trusted
+    assert run_fingerprint(CFG, "a" * 64) == FINGERPRINT  # the settings a peer publishes hash to its fingerprint
+
+
+@pytest.mark.parametrize("change", [
+    {"outer_step": "3"}, {"outer_step": -1}, {"loss": float("nan")}, {"samples_per_s": -1.0}, {"phase": "bogus"},
+    {"device": "x" * 65}, {"data_shard": 2**21}, {"fingerprint": "not hex"}, {"extra": 1},
+    {"settings": {f"s.k{i}": i for i in range(200)}}, {"settings": {"Bad Name": 1}}, {"settings": {"a.b": [1, 2]}},
+])
+def test_a_malformed_status_record_is_skipped(change):
+    assert parse_status(Identity.load_or_create(None).record_subkey, status_value(**change)) is None
+
+
+def test_unsigned_and_non_dict_records_are_skipped():
+    assert parse_status(b"no owner", status_value()) is None
+    assert parse_status(Identity.load_or_create(None).record_subkey, "garbage") is None
+
+
+def test_settings_differences_name_the_keys():
+    other = shared_settings(CFG.replace(inner={"lr": 5e-3}, outer={"codec": "int8"}), "a" * 64)
+    assert settings_differences(other, SETTINGS) == ["inner.lr = 0.005 here, 0.003 there",
+                                                     "outer.codec = 'int8' here, 'none' there"]
+    assert settings_differences(SETTINGS, SETTINGS) == []
+
+
+def test_a_joiner_on_other_settings_is_told_which_differ():
+    mine = shared_settings(CFG.replace(model={"intermediate_size": 128}), "a" * 64)
+    statuses = {"A": peer("A"), "B": peer("B")}
+    message = settings_mismatch(statuses, "me", mine, settings_fingerprint(mine), "test")
+    assert message.startswith("run 'test' is trained with other settings (2 of 2 live peers")
+    assert "model.intermediate_size = 128 here, 64 there" in message
+    # one peer on this peer's settings is a run it can train in; no other peer is a run of its own
+    same = peer("C", fingerprint=settings_fingerprint(mine), settings=mine)
+    assert settings_mismatch({**statuses, "C": same}, "me", mine, settings_fingerprint(mine), "test") is None
+    assert settings_mismatch({"me": same}, "me", mine, settings_fingerprint(mine), "test") is None
+
+
+def test_settings_that_do_not_hash_to_their_fingerprint_are_not_quoted():
+    lying = peer("A", settings={**SETTINGS, "inner.lr": 123.0})
+    mine = shared_settings(CFG.replace(inner={"lr": 5e-3}), "a" * 64)
+    message = settings_mismatch({"A": lying}, "me", mine, settings_fingerprint(mine), "test")
+    assert "123" not in message and "publish no settings that match their fingerprint" in message
+
+
+def test_peers_that_start_together_take_different_free_shards():
+    starting = {pid: peer(pid, data_shard=None, phase="starting") for pid in ("Qa", "Qb", "Qc")}
+    reading = {"Qz": peer("Qz", data_shard=0)}
+    statuses = {**starting, **reading}
+    chosen = [choose_shard(statuses, pid, 4) for pid in starting]
+    assert sorted(chosen) == [1, 2, 3]
+    # every shard read: it shares one, the same each time it asks
+    full = {f"Q{i}": peer(f"Q{i}", data_shard=i) for i in range(4)}
+    assert choose_shard(full, "Qnew", 4) == choose_shard(full, "Qnew", 4) in range(4)
+    assert choose_shard({}, "Qalone", 1) == 0
+
+
+def test_the_status_table_shows_each_peer_and_other_settings():
+    other = settings_fingerprint({**SETTINGS, "inner.lr": 1.0})
+    statuses = {"QmPeerA1234567": peer("QmPeerA1234567"), "QmPeerB7654321": peer("QmPeerB7654321", outer_step=2),
+                "QmPeerC0000000": peer("QmPeerC0000000", fingerprint=other, reachability="unreachable")}
+    rows = run_rows(statuses, answering={"QmPeerA1234567"})
+    assert [r["answers"] for r in rows] == [True, None, False]  # sorted by outer step; NAT peers are not asked
+    table = format_run("test", rows)
+    assert table.splitlines()[0] == f"run test: 3 live peer(s), outer step 3, settings {FINGERPRINT[:12]} " \
+                                    f"(1 peer(s) on other settings: they never average with the others)"
+    assert "A1234567" in table and "(other)" in table and "NAT" in table
