@@ -4,7 +4,7 @@ import pytest
 
 from p2p_diloco.metrics import read_metrics
 from tests.swarm_helpers import (
-    hashes_by_step, outer_steps, start_bootstrap, start_peer, tiny_config_file, wait_until,
+    hashes_by_step, outer_steps, peer_id_of, start_bootstrap, start_peer, tiny_config_file, wait_until,
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
@@ -67,14 +67,22 @@ def test_late_joiner_loads_the_state_and_then_agrees(processes, tmp_path):
 
 def test_peers_with_other_settings_never_average_together(processes, tmp_path):
     # the same model and sizes, but a tokenizer trained on another corpus (a different pydoc_data, as
-    # another Python version ships, gives the same effect): the parameters mean different things
+    # another Python version ships, gives the same effect): the parameters mean different things. Two
+    # peers on each settings, each waiting for its twin: each finds a peer of its own settings in the
+    # run, so none stops at start-up (test_join_status covers a peer that finds only others)
     first = tiny_config_file(tmp_path / "a", inner={"steps_per_outer": 10})
     second = tiny_config_file(tmp_path / "b", inner={"steps_per_outer": 10}, data={"max_documents": 30})
     maddr = start_bootstrap(processes)
-    metrics = [start_peer(processes, "peer0", first, maddr), start_peer(processes, "peer1", second, maddr)]
-    wait_until(lambda: all(len(outer_steps(m)) >= 3 for m in metrics), 240, "three outer steps of each peer")
-    for path in metrics:
-        assert all(r["group_size"] == 1 for r in outer_steps(path)), outer_steps(path)
-        assert not [r for r in read_metrics(path) if r["event"] == "state_loaded"]
-    for name in ("peer0", "peer1"):
+    pairs = {config: [start_peer(processes, f"{config.parent.name}{i}", config, maddr, "--wait-for-peers", "2")
+                      for i in range(2)] for config in (first, second)}
+    metrics = [m for pair in pairs.values() for m in pair]
+    wait_until(lambda: all(len(outer_steps(m)) >= 3 for m in metrics), 300, "three outer steps of each peer")
+    hashes = {config: set().union(*hashes_by_step(pair).values()) for config, pair in pairs.items()}
+    assert not hashes[first] & hashes[second]  # no θ_global of one pair is ever the other's
+    for pair in pairs.values():
+        assert all(r["group_size"] <= 2 for m in pair for r in outer_steps(m))
+        assert any(r["group_size"] == 2 for m in pair for r in outer_steps(m))  # the twins did average
+        twins = {peer_id_of(m) for m in pair}
+        assert all(r["donor"] in twins for m in pair for r in read_metrics(m) if r["event"] == "state_loaded")
+    for name in ("a0", "a1", "b0", "b1"):
         assert "ignoring the progress of a peer with other run settings" in processes.log(name)
