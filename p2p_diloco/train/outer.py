@@ -11,6 +11,9 @@ outer step and its hash are the same on every peer. One outer step t does
 The outer optimizer is torch's SGD with Nesterov momentum, exactly the update the paper uses. The
 global state is θ_global and that momentum: peers that hold the same θ_global but another momentum
 would part ways at the next step, so the state's sha256 covers both.
+
+θ_local moves to and from the CPU one fragment at a time as one flat buffer, one copy each way
+(:class:`~p2p_diloco.train.transfer.FlatTransfer`), with the same values as copying each parameter.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.hashing import tensors_sha256
+from p2p_diloco.train.transfer import FlatTransfer
 
 
 class GlobalModel:
@@ -29,6 +33,7 @@ class GlobalModel:
     def __init__(self, local_params: Sequence[torch.Tensor], cfg: OuterConfig):
         self.params = [p.detach().to("cpu", torch.float32, copy=True) for p in local_params]
         self.outer_step = 0
+        self._transfers: dict[tuple, FlatTransfer] = {}  # (fragment's indices, device) -> its host buffer
         # torch's SGD refuses nesterov=True without momentum; with momentum 0 both updates coincide
         self.optimizer = torch.optim.SGD(
             self.params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0
@@ -37,7 +42,8 @@ class GlobalModel:
     @torch.no_grad()
     def pseudo_gradient(self, local_params: Sequence[torch.Tensor], indices: Sequence[int]) -> list[torch.Tensor]:
         """Δ = θ_global − θ_local of the parameters at `indices` (a fragment), in fp32 on the CPU (Alg. 1 line 10)."""
-        return [self.params[i] - local_params[i].detach().to("cpu", torch.float32) for i in indices]
+        local_fp32 = self._transfer(local_params, indices).gather([local_params[i] for i in indices])
+        return [self.params[i] - local for i, local in zip(indices, local_fp32)]
 
     @torch.no_grad()
     def apply(self, mean_pseudo_gradient: Sequence[torch.Tensor], indices: Sequence[int]) -> None:
@@ -52,20 +58,34 @@ class GlobalModel:
 
     @torch.no_grad()
     def copy_to(self, local_params: Sequence[torch.Tensor]) -> None:
-        """θ_local ← θ_global (cast to the local parameters' device and dtype)."""
-        for p, g in zip(local_params, self.params):
-            p.copy_(g)
+        """θ_local ← θ_global (cast to the local parameters' device and dtype), in one transfer.
+
+        Called when a state is loaded, rarely: the whole model's host buffer is kept only if an outer
+        step made one (one fragment, P = 1), so a peer with P fragments does not page-lock the model twice.
+        """
+        indices = list(range(len(self.params)))
+        transfer = self._transfers.get(self._transfer_key(local_params, indices))
+        transfer = transfer or FlatTransfer(local_params)
+        transfer.scatter(self.params, local_params, alpha=0.0)
 
     @torch.no_grad()
     def merge_into(self, local_params: Sequence[torch.Tensor], indices: Sequence[int], alpha: float) -> None:
         """θ_local ← α·θ_local + (1 − α)·θ_global at `indices` (the overlap merge of Streaming DiLoCo, arXiv 2501.18512);
         α = 0 copies θ_global, as DiLoCo does."""
-        for i in indices:
-            g = self.params[i].to(local_params[i].device, local_params[i].dtype)
-            if alpha == 0:
-                local_params[i].copy_(g)
-            else:
-                local_params[i].mul_(alpha).add_(g, alpha=1 - alpha)
+        self._transfer(local_params, indices).scatter(
+            [self.params[i] for i in indices], [local_params[i] for i in indices], alpha
+        )
+
+    @staticmethod
+    def _transfer_key(local_params: Sequence[torch.Tensor], indices: Sequence[int]) -> tuple:
+        return tuple(indices), local_params[indices[0]].device
+
+    def _transfer(self, local_params: Sequence[torch.Tensor], indices: Sequence[int]) -> FlatTransfer:
+        """The fragment's flat transfer, made at its first outer step and reused by every later one."""
+        key = self._transfer_key(local_params, indices)
+        if key not in self._transfers:
+            self._transfers[key] = FlatTransfer([local_params[i] for i in indices])
+        return self._transfers[key]
 
     def momentum_buffers(self) -> list[torch.Tensor]:
         """The outer momentum, zeros before the first step, in parameter order."""

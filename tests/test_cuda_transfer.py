@@ -1,0 +1,19 @@
+"""The outer step's flat device transfers on a GPU: the same bits as one copy per parameter, through a
+page-locked host buffer. Skipped without a CUDA device."""
+
+import pytest
+import torch
+
+from tests.transfer_case import DTYPES_AND_ALPHAS, check_outer_steps, first_fragment_transfer
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("dtype, alpha", DTYPES_AND_ALPHAS)
+def test_flat_transfers_give_the_per_parameter_bits_on_cuda(dtype, alpha):
+    check_outer_steps("cuda", dtype, alpha)
+
+
+def test_the_host_buffer_is_pinned():
+    _, transfer = first_fragment_transfer("cuda")
+    assert transfer.host.is_pinned()
