@@ -50,6 +50,7 @@ def main():
     See a swarm:     p2p-diloco status --initial-peers /ip4/.../p2p/...
     Host a swarm:    p2p-diloco bootstrap --port 31337 --identity-path bootstrap.key
     Any config:      p2p-diloco peer --config my-run.toml --initial-peers /ip4/.../p2p/...
+    Export a model:  p2p-diloco export --checkpoint-dir ~/.local/share/p2p-diloco/demo/checkpoint --out demo-model
     """
 
 
@@ -89,6 +90,20 @@ def _training_options(fn):
         click.option("--tensorboard", default=None, type=click.Path(file_okay=False), metavar="DIR",
                      help="Also log the metrics' numbers as TensorBoard scalars in DIR "
                           "(needs: pip install 'p2p-diloco[tensorboard]')."),
+        # [compute]: each overrides the config's value when given
+        click.option("--precision", default=None, type=click.Choice(["auto", "bf16", "fp32"]),
+                     help="bf16 autocast or fp32 (overrides compute.precision; auto: bf16 on a GPU that supports it)."),
+        click.option("--compile/--no-compile", default=None,
+                     help="torch.compile the model; the first steps are slow (overrides compute.compile)."),
+        click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None,
+                     help="Recompute activations in the backward pass: far less memory, about a third more compute "
+                          "(overrides compute.gradient_checkpointing)."),
+        click.option("--micro-batch-size", default=None, type=click.IntRange(0), metavar="N",
+                     help="Sequences per forward/backward pass, a divisor of inner.batch_size; 0: the largest that "
+                          "fits the memory (overrides compute.micro_batch_size)."),
+        click.option("--max-memory", "max_memory_gib", default=None, type=click.FloatRange(0), metavar="GIB",
+                     help="GiB of device memory this peer may use; 0: what is free at start-up "
+                          "(overrides compute.max_memory_gib)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -186,6 +201,36 @@ def demo(num_peers, outer_steps, config_path, out_dir, timeout_s):
     from p2p_diloco.demo import run_demo
 
     sys.exit(run_demo(num_peers, outer_steps, config_path, out_dir, timeout_s))
+
+
+@main.command()
+@click.option("--checkpoint-dir", required=True, type=click.Path(file_okay=False),
+              help="A peer's checkpoint directory: its --checkpoint-dir, or for a joined peer <state dir>/checkpoint "
+                   "(by default ~/.local/share/p2p-diloco/<run name>/checkpoint).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Folder to write the model to; created if missing.")
+@click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="Build the model and tokenizer from this run config instead of what the peer saved beside its "
+                   "checkpoint (for a checkpoint written before peers saved them).")
+@click.option("--force", is_flag=True, help="Write into --out even if it is not empty (files of the same names "
+                                            "are replaced).")
+def export(checkpoint_dir, out_dir, config_path, force):
+    """Write the global model θ_global of a peer's checkpoint as a transformers model folder.
+
+    The folder holds the model (save_pretrained: config.json, model.safetensors), the run's tokenizer
+    and p2p_diloco_export.json (run name, outer step and sha256 of the global state it came from).
+    Load it with AutoModelForCausalLM.from_pretrained(FOLDER) and AutoTokenizer.from_pretrained(FOLDER).
+    The model's config and tokenizer come from the model/ folder a peer writes beside its checkpoint at
+    start-up, or from --config. Works while the peer runs: checkpoints are replaced whole.
+
+    \b
+    Examples:
+      p2p-diloco export --checkpoint-dir ~/.local/share/p2p-diloco/demo/checkpoint --out demo-model
+      p2p-diloco export --checkpoint-dir demo-out/peer-0 --out demo-model
+    """
+    from p2p_diloco.export import run_export
+
+    sys.exit(run_export(checkpoint_dir, out_dir, config_path, force))
 
 
 if __name__ == "__main__":

@@ -159,6 +159,27 @@ class OuterConfig:
 
 
 @dataclass(frozen=True)
+class ComputeConfig:
+    """How this peer computes its inner steps: its own choice, not the run's (outside the settings
+    fingerprint), since none of it changes what a step computes beyond rounding. The CLI's
+    ``--precision``, ``--compile``, ``--gradient-checkpointing``, ``--micro-batch-size`` and
+    ``--max-memory`` override these."""
+
+    # "auto": bf16 autocast on a CUDA device that supports it, fp32 elsewhere
+    precision: str = one_of("auto", "auto", "bf16", "fp32")
+    # torch.compile the model's forward (nn.Module.compile, in place); the first steps are slow while it compiles
+    compile: bool = boolean(False)
+    # recompute each block's activations in the backward pass (transformers' gradient checkpointing):
+    # far less activation memory for about a third more compute
+    gradient_checkpointing: bool = boolean(False)
+    # sequences per forward/backward pass; inner.batch_size must be a multiple. 0: the largest that fits
+    # the memory the peer may use (p2p_diloco.train.memory), at most inner.batch_size
+    micro_batch_size: int = int_at_least(0, 0)
+    # GiB of accelerator memory the peer may use; 0: what the device has free at start-up
+    max_memory_gib: float = non_negative(0.0)
+
+
+@dataclass(frozen=True)
 class SwarmConfig:
     """Timeouts (seconds) of every network wait; see docs/timeouts.md for what each bounds."""
 
@@ -183,6 +204,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
 
     def replace(self, **sections: Mapping[str, Any]) -> "Config":
@@ -261,6 +283,10 @@ def _check_consistency(cfg: Config) -> None:
             f"{cfg.inner.total_steps}: the lr schedule would end inside the first outer step"
         )
     _check_fragments(cfg)
+    micro = cfg.compute.micro_batch_size
+    if micro and cfg.inner.batch_size % micro != 0:
+        raise ConfigError(f"config: inner.batch_size = {cfg.inner.batch_size} must be a multiple of "
+                          f"compute.micro_batch_size = {micro} (each batch is split into micro-batches)")
     if cfg.swarm.request_timeout >= cfg.swarm.matchmaking_time:
         # hivemind: request_timeout must be smaller than min_matchmaking_time to avoid deadlocks
         raise ConfigError(
@@ -307,9 +333,10 @@ def shared_settings(cfg: Config, tokenizer_sha256: str) -> dict[str, Any]:
 
     Peers whose settings differ must not average: their parameters mean different things (model,
     tokenizer), or their pseudo-gradients come from different optimisation problems (data, inner and
-    outer optimizer, seed). Left out: timeouts and other `[swarm]` values (each peer's own), the
-    local paths of data files (the corpus shows in a locally trained tokenizer), and how a peer splits
-    its batch into micro-batches (only batch_size × grad_accumulation counts). Peers publish these in
+    outer optimizer, seed). Left out: timeouts and other `[swarm]` values (each peer's own), `[compute]`
+    (how a peer computes: precision, compile, micro-batches), the local paths of data files (the corpus
+    shows in a locally trained tokenizer), and how a peer splits its batch into accumulated batches
+    (only batch_size × grad_accumulation counts). Peers publish these in
     their status records, so a peer that finds the run on other settings can name the ones that differ.
     """
     inner = dataclasses.asdict(cfg.inner)

@@ -130,24 +130,50 @@ def _pick_device(name: str):
     return device
 
 
+def _prepare_compute(model, cfg, device) -> int:
+    """Gradient checkpointing and compile as ``[compute]`` asks, and the micro-batch that fits this peer's
+    memory (p2p_diloco.train.memory), said in one log line; returns that micro-batch size."""
+    from p2p_diloco.train.inner import autocast_dtype, describe_compute, prepare_for_compute
+    from p2p_diloco.train.memory import choose_micro_batch
+
+    prepare_for_compute(model, cfg.compute)
+    bf16 = autocast_dtype(cfg.compute.precision, device) is not None
+    fit = choose_micro_batch(model, cfg, device, bf16)
+    logger.info("%s, %s; %s", fit.describe_split(), describe_compute(cfg.inner, cfg.compute, device),
+                fit.describe_memory())
+    return fit.micro_batch_size
+
+
 def _prepare_training(cfg, peer_id: str, device):
-    """The model, the run settings every peer must share, and this peer's data (opened when it joins).
+    """The model, the run settings every peer must share, this peer's data (opened when it joins), and the
+    micro-batch size it computes with.
 
     Raises DataError or ConfigError (one line for the user) before the peer joins the swarm.
     """
     from p2p_diloco.config import shared_settings
     from p2p_diloco.train.data import TextData, order_seed, tokenizer_sha256
     from p2p_diloco.train.fragments import model_fragments
-    from p2p_diloco.train.model import build_model, check_vocabulary_fits
+    from p2p_diloco.train.model import build_run_model
 
     data = TextData(cfg.data)
-    model = build_model(cfg.model, data.vocab_size, cfg.run.seed, cfg.data.seq_len).to(device)
-    check_vocabulary_fits(model, data.tokenizer, cfg.model.name, cfg.data.tokenizer)
+    model = build_run_model(cfg, data.tokenizer).to(device)
     model_fragments(model, cfg.outer)  # a hub model with fewer blocks than outer.fragments stops here
+    micro_batch_size = _prepare_compute(model, cfg, device)
     peer_data = data.for_peer(cfg.inner.batch_size, order_seed(cfg.run.seed, peer_id))
     if data.train is not None:  # in memory: a corpus too small for one batch is found now, before joining
         peer_data.open(0, None)
-    return model, shared_settings(cfg, tokenizer_sha256(data.tokenizer)), peer_data
+    return model, shared_settings(cfg, tokenizer_sha256(data.tokenizer)), peer_data, micro_batch_size
+
+
+def _save_export_assets(cfg, model_config, tokenizer) -> None:
+    """Beside the checkpoint, what `p2p-diloco export` needs to make a model of it; a peer that cannot
+    write them trains on (export then needs --config)."""
+    from p2p_diloco.train.checkpoint import save_export_assets
+
+    try:
+        save_export_assets(cfg.swarm.checkpoint_dir, model_config, tokenizer, cfg.run.name)
+    except OSError as e:
+        logger.warning("could not save the model config and tokenizer in %s: %s", cfg.swarm.checkpoint_dir, e)
 
 
 @dataclass
@@ -166,6 +192,21 @@ class PeerOptions:
     device: str = "auto"
     wait_for_peers: int = 1
     tensorboard: Optional[str] = None
+    # override the config's [compute] values of the same names when given
+    precision: Optional[str] = None
+    compile: Optional[bool] = None
+    gradient_checkpointing: Optional[bool] = None
+    micro_batch_size: Optional[int] = None
+    max_memory_gib: Optional[float] = None
+
+
+def with_compute_options(cfg, options: PeerOptions):
+    """The config with the [compute] values that `options` gives (--precision, --compile, ...); validated."""
+    from p2p_diloco.config import ComputeConfig
+
+    given = {f.name: getattr(options, f.name) for f in dataclasses.fields(ComputeConfig)
+             if getattr(options, f.name) is not None}
+    return cfg.replace(compute=given) if given else cfg
 
 
 def _initial_peers(cfg, options: PeerOptions, config_path) -> list[str]:
@@ -187,10 +228,13 @@ def run_peer(config_path, options: PeerOptions) -> int:
         cfg = load_config(config_path)
         if options.checkpoint_dir:
             cfg = cfg.replace(swarm={"checkpoint_dir": str(options.checkpoint_dir)})
+        cfg = with_compute_options(cfg, options)
         initial_peers = _initial_peers(cfg, options, config_path)
         device = _pick_device(options.device)
     except (ConfigError, NodeAddressError, ValueError, RuntimeError) as e:
         return fail(str(e), EXIT_USAGE)
+
+    import torch
 
     from p2p_diloco.config import settings_fingerprint
     from p2p_diloco.metrics import MetricsWriter
@@ -203,9 +247,11 @@ def run_peer(config_path, options: PeerOptions) -> int:
     try:
         identity = Identity.load_or_create(options.identity_path)
         metrics = MetricsWriter(options.metrics_file, identity.peer_id, tensorboard_dir=options.tensorboard)
-        model, settings, peer_data = _prepare_training(cfg, identity.peer_id, device)
+        model, settings, peer_data, micro_batch_size = _prepare_training(cfg, identity.peer_id, device)
     except (IdentityError, DataError, ConfigError, ValueError) as e:
         return fail(str(e), EXIT_USAGE)
+    if cfg.swarm.checkpoint_dir:
+        _save_export_assets(cfg, model.config, peer_data.data.tokenizer)
     children_exit_with_this_process()
     try:
         node = start_run_node(cfg.run.name, options.host, options.port, identity, options.announce_ip, initial_peers)
@@ -223,12 +269,12 @@ def run_peer(config_path, options: PeerOptions) -> int:
         metrics.write("reachability", reachability=node.reachability.mode, detail=node.reachability.detail,
                       reduces=node.reachability.can_reduce, summary=summary)
         trainer = DiLoCoPeer(cfg, model, peer_data, node, settings, metrics, stop_event=install_stop_handlers(),
-                             display=InnerProgress())
+                             display=InnerProgress(), micro_batch_size=micro_batch_size)
         try:
             trainer.run(options.max_outer_steps, options.wait_for_peers)
         except RunSettingsMismatch as e:
             error = (str(e), EXIT_OTHER_SETTINGS)
-        except DataError as e:
+        except (DataError, torch.cuda.OutOfMemoryError) as e:  # out of memory even one sequence at a time
             error = (str(e), EXIT_USAGE)
         metrics.close()
     finally:

@@ -1,9 +1,16 @@
-"""Checkpoints at outer-step boundaries, written atomically: a crash mid-save leaves the old one intact."""
+"""Checkpoints at outer-step boundaries, written atomically: a crash mid-save leaves the old one intact.
+
+Beside ``checkpoint.pt``, a peer also keeps what the checkpoint's tensors do not say, so that
+``p2p-diloco export`` can turn them into a model: ``model/``, the model's transformers config and
+the run's tokenizer (a ``save_pretrained`` folder without weights) and the run's name.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -11,9 +18,16 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+EXPORT_RUN_FILE = "p2p_diloco_run.json"  # in the export assets: {"run_name": ...}
+
 
 def checkpoint_path(directory: str | os.PathLike) -> Path:
     return Path(directory) / "checkpoint.pt"
+
+
+def export_assets_path(directory: str | os.PathLike) -> Path:
+    """The folder beside the checkpoint with the model's config and the tokenizer (:func:`save_export_assets`)."""
+    return Path(directory) / "model"
 
 
 def save_checkpoint(directory: str | os.PathLike, state: dict) -> Path:
@@ -38,3 +52,24 @@ def load_checkpoint(directory: str | os.PathLike) -> Optional[dict]:
     except Exception as e:  # a foreign or damaged file: say so and start without it
         logger.warning("ignoring unreadable checkpoint %s: %s", path, e)
         return None
+
+
+def save_export_assets(directory: str | os.PathLike, model_config, tokenizer, run_name: str) -> Path:
+    """Write the model's transformers config, the tokenizer and the run's name to ``directory/model``.
+
+    They are written to a temporary folder that then replaces the old one: a crash never leaves a
+    half-written folder (at worst, between the two renames, none, which the peer's next start writes).
+    """
+    path = export_assets_path(directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = (path.with_name(f".{path.name}.{what}{os.getpid()}") for what in ("tmp", "old"))
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    model_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / EXPORT_RUN_FILE).write_text(json.dumps({"run_name": run_name}) + "\n")
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+    return path

@@ -136,7 +136,9 @@ class DiLoCoPeer:
     the data it had not seen. `node` is its DHT node, with the identity that signs its records and how
     others reach it; `settings` the run settings it trains with (:func:`p2p_diloco.config.shared_settings`),
     whose fingerprint decides which peers it averages with. `display` shows the inner steps' progress
-    (:class:`p2p_diloco.train.display.InnerProgress`), if given.
+    (:class:`p2p_diloco.train.display.InnerProgress`), if given. `micro_batch_size` is the one chosen for
+    its memory (:func:`p2p_diloco.train.memory.choose_micro_batch`; default: ``compute.micro_batch_size``,
+    else the whole batch).
     """
 
     def __init__(
@@ -149,6 +151,7 @@ class DiLoCoPeer:
         metrics: Optional[MetricsWriter] = None,
         stop_event: Optional[threading.Event] = None,
         display: Any = None,
+        micro_batch_size: Optional[int] = None,
     ):
         self.cfg = cfg
         self.model = model
@@ -156,7 +159,8 @@ class DiLoCoPeer:
         self.data = data
         self.data_shard: Optional[int] = None  # chosen when the peer joins (from its checkpoint, or free)
         self._saved_data_state: Optional[dict] = None  # the stream's state in a restored checkpoint
-        self.inner = InnerTrainer(model, cfg.inner, iter(()))  # batches from _open_data
+        self.inner = InnerTrainer(model, cfg.inner, iter(()), cfg.compute,  # batches from _open_data
+                                  micro_batch_size)
         self.display = display
         self.global_model = GlobalModel(self.local_params, cfg.outer)
         self.schedule = FragmentSchedule(model_fragments(model, cfg.outer), cfg.inner.steps_per_outer,

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
-from p2p_diloco.config import ConfigError, ModelConfig
+from p2p_diloco.config import Config, ConfigError, ModelConfig
 
 # where model configs keep the longest sequence they can take, by architecture family
 POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -102,6 +102,15 @@ def check_vocabulary_fits(model: PreTrainedModel, tokenizer, model_name: str, to
         raise ConfigError(f"config: tokenizer {tokenizer_name!r} emits token ids up to {largest}, but model "
                           f"{model_name!r} embeds only {embedded} tokens; use a tokenizer whose vocabulary fits "
                           f"the model (for a hub model, its own tokenizer)")
+
+
+def build_run_model(cfg: Config, tokenizer) -> PreTrainedModel:
+    """The freshly initialised model of run config `cfg` for the run's tokenizer, on the CPU: what every
+    peer trains, and what `p2p-diloco export --config` rebuilds. Raises ConfigError when the
+    tokenizer's ids do not fit it."""
+    model = build_model(cfg.model, largest_token_id(tokenizer) + 1, cfg.run.seed, cfg.data.seq_len)
+    check_vocabulary_fits(model, tokenizer, cfg.model.name, cfg.data.tokenizer)
+    return model
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -1,0 +1,166 @@
+"""`p2p-diloco export`: θ_global of a real peer's checkpoint as a transformers model folder.
+
+One lone peer (a real `p2p-diloco peer` process on 127.0.0.1, no other peer) takes an outer step
+with a checkpoint directory; then
+
+* `export` writes a folder that `AutoModelForCausalLM.from_pretrained` and
+  `AutoTokenizer.from_pretrained` load, whose logits are θ_global's and whose tokenizer gives the
+  run's ids, with a record of the global state it came from;
+* a checkpoint without the files a peer saves beside it exports with `--config`, and says so without;
+* no checkpoint, a non-empty --out, a damaged checkpoint and tensors of another model are one-line
+  errors with exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from p2p_diloco.config import load_config
+from p2p_diloco.export import EXPORT_RECORD, run_export
+from p2p_diloco.hashing import tensors_sha256
+from p2p_diloco.node_runner import EXIT_USAGE
+from p2p_diloco.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from p2p_diloco.train.data import TextData
+from p2p_diloco.train.model import build_model, trainable_parameters
+from tests.conftest import REPO, Processes
+from tests.swarm_helpers import tiny_config_file
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+TEXTS = ["def export(model): return model.save_pretrained(folder)", "Help on built-in function len."]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run config and the checkpoint directory of a lone peer that took one outer step with it."""
+    folder = tmp_path_factory.mktemp("trained")
+    config = tiny_config_file(folder)
+    checkpoint_dir = folder / "checkpoint"
+    processes = Processes(folder)
+    # the module's processes share the session's tokenizer cache (conftest's isolated_cache)
+    env = {"P2P_DILOCO_CACHE": str(tmp_path_factory.getbasetemp() / "cache"), "OMP_NUM_THREADS": "1"}
+    try:
+        peer = processes.start("peer", "peer", "--config", str(config), "--checkpoint-dir", str(checkpoint_dir),
+                               "--max-outer-steps", "1", "--host", "127.0.0.1", env=env)
+        assert peer.wait(240) == 0, processes.log("peer")
+    finally:
+        processes.stop_all()
+    return config, checkpoint_dir
+
+
+def export_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "export", *args], capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def model_holding_theta_global(config, checkpoint_dir):
+    """The run's model built the way the tests build it, with θ_global of the checkpoint; and the run's tokenizer."""
+    cfg = load_config(config)
+    data = TextData(cfg.data)
+    model = build_model(cfg.model, data.vocab_size, cfg.run.seed, cfg.data.seq_len)
+    state = load_checkpoint(checkpoint_dir)
+    params = trainable_parameters(model)
+    with torch.no_grad():
+        for param, tensor in zip(params, state["global_state"][: len(params)]):
+            param.copy_(tensor)
+    return model.eval(), data.tokenizer
+
+
+def test_the_exported_folder_loads_with_theta_globals_logits_and_the_runs_tokenizer(trained, tmp_path):
+    config, checkpoint_dir = trained
+    out = tmp_path / "model"
+    result = export_cli("--checkpoint-dir", str(checkpoint_dir), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "exported θ_global (run 'test', outer step 1" in result.stdout
+
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    reference, run_tokenizer = model_holding_theta_global(config, checkpoint_dir)
+    for text in TEXTS:
+        assert tokenizer(text)["input_ids"] == run_tokenizer(text)["input_ids"]
+        assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    batch = torch.tensor([run_tokenizer(text)["input_ids"][:10] for text in TEXTS])
+    with torch.no_grad():
+        logits = exported(input_ids=batch).logits
+        torch.testing.assert_close(logits, reference(input_ids=batch).logits, rtol=0, atol=1e-6)
+        fresh = build_model(load_config(config).model, reference.config.vocab_size, 0)
+        assert not torch.allclose(logits, fresh(input_ids=batch).logits)  # the outer step moved θ_global
+    assert exported.generation_config.eos_token_id == run_tokenizer.eos_token_id
+
+    record = json.loads((out / EXPORT_RECORD).read_text())
+    saved = load_checkpoint(checkpoint_dir)
+    assert record["global_sha256"] == saved["sha256"] and record["outer_step"] == saved["outer_step"] == 1
+    assert record["run_name"] == "test"
+
+
+def test_a_checkpoint_without_saved_model_files_exports_with_its_run_config(trained, tmp_path, capsys):
+    config, checkpoint_dir = trained
+    older = tmp_path / "older"  # as a peer wrote it before peers saved the model's config and tokenizer
+    older.mkdir()
+    shutil.copy(checkpoint_path(checkpoint_dir), checkpoint_path(older))
+    assert run_export(str(older), str(tmp_path / "a"), None, False) == EXIT_USAGE
+    message = one_line_error(capsys)
+    assert "has no saved model config and tokenizer" in message and "or pass --config RUN.toml" in message
+
+    assert run_export(str(older), str(tmp_path / "from-config"), str(config), False) == 0
+    assert run_export(str(checkpoint_dir), str(tmp_path / "from-saved"), None, False) == 0
+    from_config, from_saved = (load_file(tmp_path / name / "model.safetensors") for name in ("from-config", "from-saved"))
+    assert from_config.keys() == from_saved.keys()
+    assert all(torch.equal(from_config[key], from_saved[key]) for key in from_saved)
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def test_no_checkpoint_and_a_non_empty_out_folder_are_refused(trained, tmp_path, capsys):
+    _, checkpoint_dir = trained
+    assert run_export(str(tmp_path / "empty"), str(tmp_path / "a"), None, False) == EXIT_USAGE
+    assert "no checkpoint in" in one_line_error(capsys)
+
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert run_export(str(checkpoint_dir), str(out), None, False) == EXIT_USAGE
+    assert "exists and is not empty; pass --force" in one_line_error(capsys)
+    assert not (out / "model.safetensors").exists()
+    assert run_export(str(checkpoint_dir), str(out), None, True) == 0
+    assert (out / "model.safetensors").exists() and (out / "notes.txt").read_text() == "mine"
+
+
+def rewritten_checkpoint(checkpoint_dir, folder, change, rehash: bool) -> str:
+    """A copy of the checkpoint and its saved model files whose global state `change` altered, with its
+    sha256 recomputed when `rehash` (else a damaged file)."""
+    shutil.copytree(checkpoint_dir, folder)
+    state = load_checkpoint(folder)
+    change(state["global_state"])
+    if rehash:
+        state["sha256"] = tensors_sha256(state["global_state"])
+    save_checkpoint(folder, state)
+    return str(folder)
+
+
+@pytest.mark.parametrize("change, rehash, message", [
+    (lambda tensors: tensors.pop(), True, "the checkpoint holds 23 tensors where the model saved in"),
+    (lambda tensors: tensors.__setitem__(0, tensors[0][:-1]), True,
+     "has shape (299, 32) but model.embed_tokens.weight"),
+    (lambda tensors: tensors[1].fill_(float("nan")), True, "holds NaN or infinite values"),
+    (lambda tensors: tensors[2].add_(1.0), False, "is damaged: its tensors do not match the sha256"),
+], ids=["count", "shape", "nan", "damaged"])
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused(trained, tmp_path, capsys, change, rehash, message):
+    _, checkpoint_dir = trained
+    bad = rewritten_checkpoint(checkpoint_dir, tmp_path / "bad", change, rehash)
+    assert run_export(bad, str(tmp_path / "out"), None, False) == EXIT_USAGE
+    assert message in one_line_error(capsys)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
