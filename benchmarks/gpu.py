@@ -35,7 +35,9 @@ device → host copy of θ_local (for Δ = θ_global − θ_local; the subtracti
 the host → device copy back (θ_local ← θ_global), through :class:`~p2p_diloco.train.transfer.FlatTransfer`
 (one page-locked buffer, one copy each way) and one ``.to()`` / ``copy_`` per parameter. The host →
 device row gives the time until the call returns (how long the host is blocked) and until the copy
-and merge are done on the device. Medians.
+and merge are done on the device. Medians. The flat path is the one a GPU peer takes; on a CPU the table
+still times it (it checks the code), but a CPU peer takes :class:`~p2p_diloco.train.transfer.DirectTransfer`,
+which does what the per-parameter row does.
 
 Prints two Markdown tables and writes results.json under --out.
 """

@@ -46,7 +46,8 @@ def main():
 
     \b
     Try it offline:  p2p-diloco demo
-    Join a run:      p2p-diloco join peers/llama-150m-c4.toml   (a run manifest: settings + bootstrap nodes)
+    Join a run:      p2p-diloco join demo   (a run manifest, by path or shipped name: settings + bootstrap nodes)
+    Start a run:     copy the template peers/llama-150m-c4.toml, fill in run.name and swarm.initial_peers, publish it
     See a swarm:     p2p-diloco status --initial-peers /ip4/.../p2p/...
     Host a swarm:    p2p-diloco bootstrap --port 31337 --identity-path bootstrap.key
     Any config:      p2p-diloco peer --config my-run.toml --initial-peers /ip4/.../p2p/...
@@ -87,6 +88,9 @@ def _training_options(fn):
         click.option("--wait-for-peers", default=1, show_default=True, type=click.IntRange(1),
                      help="Before training, wait until this many peers (this one included) are in the swarm, at "
                           "most swarm.start_wait_timeout seconds; for peers started together, so none trains alone."),
+        click.option("--ignore-other-settings", is_flag=True,
+                     help="Train even if the run's live peers publish other settings (a stranger's records can "
+                          "claim so); peers on other settings never average with this one."),
         click.option("--tensorboard", default=None, type=click.Path(file_okay=False), metavar="DIR",
                      help="Also log the metrics' numbers as TensorBoard scalars in DIR "
                           "(needs: pip install 'p2p-diloco[tensorboard]')."),
@@ -100,10 +104,12 @@ def _training_options(fn):
                           "(overrides compute.gradient_checkpointing)."),
         click.option("--micro-batch-size", default=None, type=click.IntRange(0), metavar="N",
                      help="Sequences per forward/backward pass, a divisor of inner.batch_size; 0: the largest that "
-                          "fits the memory (overrides compute.micro_batch_size)."),
+                          "fits the memory on a GPU or with --max-memory, else the whole batch (overrides "
+                          "compute.micro_batch_size)."),
         click.option("--max-memory", "max_memory_gib", default=None, type=click.FloatRange(0), metavar="GIB",
-                     help="GiB of device memory this peer may use; 0: what is free at start-up "
-                          "(overrides compute.max_memory_gib)."),
+                     help="GiB of device memory this peer may use (on a GPU, also a cap on torch's allocator); "
+                          "0: on a GPU, what is free at start-up; on a CPU, no limit (overrides "
+                          "compute.max_memory_gib)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -128,7 +134,8 @@ def peer(config_path, **options):
     start-up the peer asks its initial peers to dial it back. If they cannot (NAT, firewall), it
     averages as a client, dialing every connection itself, and says so in one line with the flags
     that would make it reachable (docs/network.md). It exits with status 4 when the run's peers
-    train with other settings (it names the ones that differ): it could never average with them.
+    train with other settings (it names the ones that differ): it could never average with them
+    (--ignore-other-settings trains anyway).
 
     On a terminal, a progress bar shows the inner steps toward the next sync; otherwise a log line
     every 30 s does.
@@ -148,9 +155,9 @@ def peer(config_path, **options):
 def join(manifest, state_dir, **options):
     """Join the public run described by MANIFEST and train until stopped.
 
-    MANIFEST is a run file (a path), or the name of one shipped in peers/ (e.g. `demo`): the run's
-    settings, its name on the DHT and its bootstrap addresses (swarm.initial_peers; --initial-peers
-    replaces them). Run it again with the same --state-dir to continue where the peer stopped.
+    MANIFEST is a run file (a path), or the name of one shipped in peers/ (`demo` or `demo.toml`):
+    the run's settings, its name on the DHT and its bootstrap addresses (swarm.initial_peers;
+    --initial-peers replaces them). Run it again with the same --state-dir to continue where the peer stopped.
 
     \b
     Try it on one machine (the demo run's bootstrap node listens on 127.0.0.1:31337):
@@ -211,7 +218,8 @@ def demo(num_peers, outer_steps, config_path, out_dir, timeout_s):
               help="Folder to write the model to; created if missing.")
 @click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Build the model and tokenizer from this run config instead of what the peer saved beside its "
-                   "checkpoint (for a checkpoint written before peers saved them).")
+                   "checkpoint (for a checkpoint written before peers saved them). It must be the run's: a "
+                   "checkpoint trained with other settings is refused.")
 @click.option("--force", is_flag=True, help="Write into --out even if it is not empty (files of the same names "
                                             "are replaced).")
 def export(checkpoint_dir, out_dir, config_path, force):

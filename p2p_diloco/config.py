@@ -172,10 +172,12 @@ class ComputeConfig:
     # recompute each block's activations in the backward pass (transformers' gradient checkpointing):
     # far less activation memory for about a third more compute
     gradient_checkpointing: bool = boolean(False)
-    # sequences per forward/backward pass; inner.batch_size must be a multiple. 0: the largest that fits
-    # the memory the peer may use (p2p_diloco.train.memory), at most inner.batch_size
+    # sequences per forward/backward pass; inner.batch_size must be a multiple. 0: on a GPU, or with
+    # max_memory_gib, the largest that fits the memory the peer may use (p2p_diloco.train.memory), at most
+    # inner.batch_size; on a CPU without max_memory_gib, inner.batch_size
     micro_batch_size: int = int_at_least(0, 0)
-    # GiB of accelerator memory the peer may use; 0: what the device has free at start-up
+    # GiB of device memory the peer may use (on a GPU, also the cap of torch's caching allocator);
+    # 0: on a GPU, what it has free at start-up; on a CPU, no limit (and no fitting)
     max_memory_gib: float = non_negative(0.0)
 
 

@@ -17,12 +17,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from p2p_diloco.manifest import shipped_manifest_dir
 from p2p_diloco.metrics import read_metrics
 from p2p_diloco.train.utilization import compute_utilization
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "peers" / "demo.toml"
+DEFAULT_CONFIG = shipped_manifest_dir() / "demo.toml"  # peers/demo.toml of a checkout, or as installed
 
 
 def cli_command(*args: str) -> list[str]:
@@ -137,21 +138,20 @@ class DemoProgress:
 def evaluate(config_path: Path, checkpoint_dirs: list[Path]) -> tuple[float, Optional[float]]:
     """Held-out loss of the initial model and of the final θ_global (from the newest checkpoint)."""
     from p2p_diloco.config import load_config
+    from p2p_diloco.export import load_global_parameters
     from p2p_diloco.train.checkpoint import load_checkpoint
     from p2p_diloco.train.data import TextData
-    from p2p_diloco.train.model import build_model, evaluate_loss, trainable_parameters
+    from p2p_diloco.train.model import build_run_model, evaluate_loss
 
     cfg = load_config(config_path)
     data = TextData(cfg.data)
-    model = build_model(cfg.model, data.vocab_size, cfg.run.seed)
+    model = build_run_model(cfg, data.tokenizer)  # as the peers built it
     initial = evaluate_loss(model, data.heldout)
     checkpoints = [c for c in (load_checkpoint(d) for d in checkpoint_dirs) if c is not None]
     if not checkpoints:
         return initial, None
     newest = max(checkpoints, key=lambda c: c["outer_step"])
-    params = trainable_parameters(model)
-    for p, t in zip(params, newest["global_state"][: len(params)]):
-        p.data.copy_(t)
+    load_global_parameters(model, newest["global_state"], f"run config {str(config_path)!r}")
     return initial, evaluate_loss(model, data.heldout)
 
 

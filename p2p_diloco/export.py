@@ -6,7 +6,9 @@ its checkpoint at start-up (the model's transformers config and the run's tokeni
 :func:`p2p_diloco.train.checkpoint.save_export_assets`) or, for a checkpoint written before peers
 did so, from the run config, built the way a peer builds it. The model is built on the CPU in fp32,
 given θ_global, and saved with ``save_pretrained`` (safetensors) beside the tokenizer and
-``p2p_diloco_export.json``, which says which run, outer step and global state it came from.
+``p2p_diloco_export.json``, which says which run, outer step and global state it came from. A
+checkpoint that names the settings fingerprint it was trained with is refused with a model of other
+settings (a run config that is not the run's, or a local tokenizer trained differently).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class ModelSource:
     tokenizer: object
     run_name: Optional[str]
     described_as: str  # for messages: "the model saved beside the checkpoint", "run config X"
+    fingerprint: Optional[str] = None  # of the run settings (p2p_diloco.config.run_fingerprint), when known
 
 
 def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict:
@@ -53,7 +56,6 @@ def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict:
 
 def model_from_saved_assets(checkpoint_dir: str | os.PathLike) -> Optional[ModelSource]:
     """The model and tokenizer a peer saved beside its checkpoint; None for a checkpoint written before peers did."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from p2p_diloco.train.checkpoint import EXPORT_RUN_FILE, export_assets_path
@@ -62,10 +64,10 @@ def model_from_saved_assets(checkpoint_dir: str | os.PathLike) -> Optional[Model
     if not (folder / "config.json").is_file():
         return None
     run_file = folder / EXPORT_RUN_FILE
-    run_name = json.loads(run_file.read_text()).get("run_name") if run_file.is_file() else None
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
-    return ModelSource(model, AutoTokenizer.from_pretrained(folder), run_name,
-                       f"the model saved in {str(folder)!r}")
+    run = json.loads(run_file.read_text()) if run_file.is_file() else {}
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).float()  # as θ_global is
+    return ModelSource(model, AutoTokenizer.from_pretrained(folder), run.get("run_name"),
+                       f"the model saved in {str(folder)!r}", run.get("fingerprint"))
 
 
 def model_from_run_config(config_path: str | os.PathLike) -> ModelSource:
@@ -74,41 +76,52 @@ def model_from_run_config(config_path: str | os.PathLike) -> ModelSource:
     Raises ConfigError or DataError (one line each) when the config is invalid or its tokenizer
     cannot be loaded.
     """
-    from p2p_diloco.config import load_config
-    from p2p_diloco.train.data import load_tokenizer
+    from p2p_diloco.config import load_config, run_fingerprint
+    from p2p_diloco.train.data import load_tokenizer, tokenizer_sha256
     from p2p_diloco.train.model import build_run_model
 
     cfg = load_config(config_path)
     tokenizer = load_tokenizer(cfg.data)
     model = build_run_model(cfg, tokenizer).float()  # θ_global is fp32, whatever dtype a hub config names
-    return ModelSource(model, tokenizer, cfg.run.name, f"run config {str(config_path)!r}")
+    return ModelSource(model, tokenizer, cfg.run.name, f"run config {str(config_path)!r}",
+                       run_fingerprint(cfg, tokenizer_sha256(tokenizer)))
 
 
-def load_global_parameters(source: ModelSource, global_state: list) -> None:
+def check_same_settings(state: dict, source: ModelSource) -> None:
+    """A checkpoint that names the settings fingerprint it was trained with must match the model's: a
+    run config with other settings (a locally trained tokenizer even differs between Python versions)
+    would give θ_global a tokenizer it was not trained with."""
+    trained_with = state.get("fingerprint")
+    if trained_with and source.fingerprint and trained_with != source.fingerprint:
+        raise ExportError(f"the checkpoint was trained with other settings than {source.described_as} (settings "
+                          f"fingerprint {trained_with[:12]}, not {source.fingerprint[:12]}); pass the run's own "
+                          f"config with --config")
+
+
+def load_global_parameters(model, global_state: list, described_as: str) -> None:
     """Copy θ_global, the first half of a checkpoint's global state, into the model's trainable parameters.
 
     The tensors must be as many as the model's parameters twice over (θ_global, then the outer
-    momentum), of their shapes, and finite.
+    momentum), and θ_global's fp32 tensors of their shapes, finite
+    (:func:`p2p_diloco.remote_input.tensor_problem`); `described_as` names the model in the ExportError.
     """
     import torch
 
+    from p2p_diloco.remote_input import tensor_problem
     from p2p_diloco.train.model import trainable_parameters
 
-    params = trainable_parameters(source.model)
-    names = {id(p): name for name, p in source.model.named_parameters()}
+    params = trainable_parameters(model)
+    names = {id(p): name for name, p in model.named_parameters()}
     if len(global_state) != 2 * len(params):
-        raise ExportError(f"the checkpoint holds {len(global_state)} tensors where {source.described_as} has "
+        raise ExportError(f"the checkpoint holds {len(global_state)} tensors where {described_as} has "
                           f"{len(params)} parameters (θ_global and the outer momentum would be {2 * len(params)}): "
                           f"they are not the same model")
     with torch.no_grad():
         for index, (param, tensor) in enumerate(zip(params, global_state)):
             name = names.get(id(param), f"parameter {index}")
-            if not isinstance(tensor, torch.Tensor) or tensor.shape != param.shape:
-                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                raise ExportError(f"the checkpoint's tensor {index} has shape {shape} but {name} of "
-                                  f"{source.described_as} has {tuple(param.shape)}: they are not the same model")
-            if not torch.isfinite(tensor).all():
-                raise ExportError(f"the checkpoint's {name} holds NaN or infinite values: this θ_global is no model")
+            problem = tensor_problem(tensor, param.shape, f"its tensor for {name}")
+            if problem is not None:
+                raise ExportError(f"cannot load the checkpoint into {described_as}: {problem}")
             param.copy_(tensor)
 
 
@@ -148,7 +161,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
     if source is None:
         raise ExportError(f"{str(checkpoint_dir)!r} has no saved model config and tokenizer (the checkpoint predates "
                           f"them): run the peer once more with this --checkpoint-dir, or pass --config RUN.toml")
-    load_global_parameters(source, state["global_state"])
+    check_same_settings(state, source)
+    load_global_parameters(source.model, state["global_state"], source.described_as)
     match_special_tokens(source)
     out.mkdir(parents=True, exist_ok=True)
     source.model.save_pretrained(out)

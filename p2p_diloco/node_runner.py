@@ -131,16 +131,18 @@ def _pick_device(name: str):
 
 
 def _prepare_compute(model, cfg, device) -> int:
-    """Gradient checkpointing and compile as ``[compute]`` asks, and the micro-batch that fits this peer's
-    memory (p2p_diloco.train.memory), said in one log line; returns that micro-batch size."""
+    """Gradient checkpointing and compile as ``[compute]`` asks, the micro-batch that fits this peer's
+    memory (p2p_diloco.train.memory), and on CUDA the allocator capped at ``--max-memory``, said in one log
+    line; returns that micro-batch size."""
     from p2p_diloco.train.inner import autocast_dtype, describe_compute, prepare_for_compute
-    from p2p_diloco.train.memory import choose_micro_batch
+    from p2p_diloco.train.memory import cap_allocator, choose_micro_batch, format_bytes
 
     prepare_for_compute(model, cfg.compute)
     bf16 = autocast_dtype(cfg.compute.precision, device) is not None
     fit = choose_micro_batch(model, cfg, device, bf16)
-    logger.info("%s, %s; %s", fit.describe_split(), describe_compute(cfg.inner, cfg.compute, device),
-                fit.describe_memory())
+    cap = cap_allocator(device, cfg.compute.max_memory_gib)
+    logger.info("%s, %s; %s%s", fit.describe_split(), describe_compute(cfg.inner, cfg.compute, device),
+                fit.describe_memory(), f"; allocator capped at {format_bytes(cap)}" if cap else "")
     return fit.micro_batch_size
 
 
@@ -165,13 +167,13 @@ def _prepare_training(cfg, peer_id: str, device):
     return model, shared_settings(cfg, tokenizer_sha256(data.tokenizer)), peer_data, micro_batch_size
 
 
-def _save_export_assets(cfg, model_config, tokenizer) -> None:
+def _save_export_assets(cfg, model_config, tokenizer, fingerprint: str) -> None:
     """Beside the checkpoint, what `p2p-diloco export` needs to make a model of it; a peer that cannot
     write them trains on (export then needs --config)."""
     from p2p_diloco.train.checkpoint import save_export_assets
 
     try:
-        save_export_assets(cfg.swarm.checkpoint_dir, model_config, tokenizer, cfg.run.name)
+        save_export_assets(cfg.swarm.checkpoint_dir, model_config, tokenizer, cfg.run.name, fingerprint)
     except OSError as e:
         logger.warning("could not save the model config and tokenizer in %s: %s", cfg.swarm.checkpoint_dir, e)
 
@@ -191,6 +193,7 @@ class PeerOptions:
     max_outer_steps: Optional[int] = None
     device: str = "auto"
     wait_for_peers: int = 1
+    ignore_other_settings: bool = False  # train even if the run's live peers publish other settings
     tensorboard: Optional[str] = None
     # override the config's [compute] values of the same names when given
     precision: Optional[str] = None
@@ -234,8 +237,6 @@ def run_peer(config_path, options: PeerOptions) -> int:
     except (ConfigError, NodeAddressError, ValueError, RuntimeError) as e:
         return fail(str(e), EXIT_USAGE)
 
-    import torch
-
     from p2p_diloco.config import settings_fingerprint
     from p2p_diloco.metrics import MetricsWriter
     from p2p_diloco.swarm.identity import Identity, IdentityError
@@ -243,22 +244,25 @@ def run_peer(config_path, options: PeerOptions) -> int:
     from p2p_diloco.train.data import DataError
     from p2p_diloco.train.diloco import DiLoCoPeer, RunSettingsMismatch
     from p2p_diloco.train.display import InnerProgress
+    from p2p_diloco.train.memory import MemoryFitError
 
+    metrics = None  # closed on every path from here on (a TensorBoard writer runs a thread)
     try:
         identity = Identity.load_or_create(options.identity_path)
         metrics = MetricsWriter(options.metrics_file, identity.peer_id, tensorboard_dir=options.tensorboard)
         model, settings, peer_data, micro_batch_size = _prepare_training(cfg, identity.peer_id, device)
     except (IdentityError, DataError, ConfigError, ValueError) as e:
+        if metrics is not None:
+            metrics.close()
         return fail(str(e), EXIT_USAGE)
     if cfg.swarm.checkpoint_dir:
-        _save_export_assets(cfg, model.config, peer_data.data.tokenizer)
+        _save_export_assets(cfg, model.config, peer_data.data.tokenizer, settings_fingerprint(settings))
     children_exit_with_this_process()
     try:
         node = start_run_node(cfg.run.name, options.host, options.port, identity, options.announce_ip, initial_peers)
-    except NodeAddressError as e:
-        return fail(str(e), EXIT_USAGE)
-    except ConnectionError as e:
-        return fail(str(e), EXIT_UNREACHABLE)
+    except (NodeAddressError, ConnectionError) as e:
+        metrics.close()
+        return fail(str(e), EXIT_USAGE if isinstance(e, NodeAddressError) else EXIT_UNREACHABLE)
     dht = node.dht
     error: Optional[tuple[str, int]] = None
     try:
@@ -271,14 +275,14 @@ def run_peer(config_path, options: PeerOptions) -> int:
         trainer = DiLoCoPeer(cfg, model, peer_data, node, settings, metrics, stop_event=install_stop_handlers(),
                              display=InnerProgress(), micro_batch_size=micro_batch_size)
         try:
-            trainer.run(options.max_outer_steps, options.wait_for_peers)
+            trainer.run(options.max_outer_steps, options.wait_for_peers, options.ignore_other_settings)
         except RunSettingsMismatch as e:
             error = (str(e), EXIT_OTHER_SETTINGS)
-        except (DataError, torch.cuda.OutOfMemoryError) as e:  # out of memory even one sequence at a time
+        except (DataError, MemoryFitError) as e:  # out of memory at one sequence per pass; any other OOM: a traceback
             error = (str(e), EXIT_USAGE)
-        metrics.close()
     finally:
         shutdown_dht(dht)
+        metrics.close()
     logger.info("peer stopped")
     skip_final_garbage_collection()
     return fail(*error) if error else EXIT_OK  # the error is the last line the user sees

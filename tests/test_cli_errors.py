@@ -1,5 +1,6 @@
 """The CLI refuses bad input with one clear line and a non-zero exit; every --help works."""
 
+import os
 import subprocess
 import sys
 
@@ -11,8 +12,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def run_cli(*args, cwd=None, timeout=90):
+    """The CLI of this checkout (PYTHONPATH), from any working directory."""
     return subprocess.run([sys.executable, "-m", "p2p_diloco.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+                          timeout=timeout, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 @pytest.mark.parametrize("command", [[], ["bootstrap"], ["peer"], ["join"], ["status"], ["demo"]])
@@ -133,3 +135,29 @@ def test_a_missing_data_file_is_one_line(tmp_path):
     config = tiny_config_with(tmp_path, data={"source": "files", "paths": ["nowhere.txt"]})
     result = run_cli("peer", "--config", str(config), "--host", "127.0.0.1")
     assert_one_line_error(result, 2, str(tmp_path / "nowhere.txt"), "does not exist")
+
+
+def test_a_shipped_manifest_is_found_by_name_with_or_without_toml_from_any_directory(tmp_path):
+    # the template names no bootstrap node: the error says which file `join` found
+    result = run_cli("join", "llama-150m-c4.toml", "--host", "127.0.0.1", "--state-dir", str(tmp_path / "state"),
+                     cwd=tmp_path)
+    assert_one_line_error(result, 2, f"{REPO / 'peers' / 'llama-150m-c4.toml'} names no bootstrap node")
+
+
+def test_shipped_manifests_are_found_where_a_wheel_installs_them(tmp_path, monkeypatch):
+    import sysconfig
+
+    from p2p_diloco import manifest
+
+    installed = tmp_path / "prefix" / "share" / "p2p-diloco" / "peers"  # pyproject's data-files
+    installed.mkdir(parents=True)
+    (installed / "demo.toml").write_text((REPO / "peers" / "demo.toml").read_text())
+    monkeypatch.setattr(manifest, "CHECKOUT", tmp_path / "site-packages")  # no source checkout around the package
+    monkeypatch.setattr(sysconfig, "get_path", lambda name, scheme=None: str(tmp_path / "prefix"))
+    monkeypatch.chdir(tmp_path)
+    assert manifest.find_manifest("demo") == manifest.find_manifest("demo.toml") == installed / "demo.toml"
+    assert manifest.shipped_manifests() == ["demo"]
+    (tmp_path / "demo.toml").write_text("")  # a file of that name here is what the user means
+    assert manifest.find_manifest("demo.toml").resolve() == tmp_path / "demo.toml"
+    with pytest.raises(manifest.ManifestError, match="no run manifest 'other': .* one of: demo$"):
+        manifest.find_manifest("other")

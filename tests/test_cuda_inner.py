@@ -10,7 +10,7 @@ import torch
 
 from p2p_diloco.config import ComputeConfig
 from p2p_diloco.train.inner import InnerTrainer, autocast_dtype, prepare_for_compute
-from p2p_diloco.train.memory import GIB, choose_micro_batch
+from p2p_diloco.train.memory import GIB, ModelShape, choose_micro_batch, largest_divisor, step_memory
 from p2p_diloco.train.model import build_model
 from tests.conftest import tiny_config
 from tests.test_inner_compute import CountingStream, parameters_of
@@ -86,11 +86,12 @@ def test_gradient_checkpointing_same_gradient_less_memory():
     for checkpointing in (False, True):
         trainer = cuda_trainer(cfg, ComputeConfig(gradient_checkpointing=checkpointing), vocab=MEDIUM_VOCAB)
         trainer.model.train()
-        fresh_peak()
+        fresh_peak()  # after the previous trainer is gone: only this one's model is on the GPU
         trainer._accumulate([next(trainer.batches).to(CUDA)])
         peaks.append(torch.cuda.max_memory_allocated(CUDA))
-        grads.append([p.grad.float() for p in trainer.params])
+        grads.append([p.grad.detach().cpu() for p in trainer.params])  # off the GPU before the next peak
         del trainer
+        fresh_peak()
     assert peaks[1] < peaks[0] * 0.7
     for plain, checkpointed in zip(*grads):
         torch.testing.assert_close(checkpointed, plain, rtol=2e-2, atol=1e-4)
@@ -117,9 +118,23 @@ def test_the_fitted_micro_batch_runs_within_the_limit(memory_limit_gib):
     assert trainer.micro_batch_size == fit.micro_batch_size  # no out-of-memory error on the way
 
 
+def halved_until_it_fits(batch_size: int, step_bytes, limit_bytes: int) -> int:
+    """The micro-batch the inner loop ends at, halving from the whole batch, if a step of m sequences
+    takes step_bytes(m): the first of batch_size, its largest divisor <= half, ... that fits."""
+    micro = batch_size
+    while micro > 1 and step_bytes(micro) > limit_bytes:
+        micro = largest_divisor(batch_size, micro // 2)
+    return micro
+
+
 def test_a_real_out_of_memory_error_halves_the_micro_batch(memory_limit_gib):
     cfg = tiny_config(**MEDIUM)
     trainer = cuda_trainer(cfg, vocab=MEDIUM_VOCAB)  # the whole batch of 16: about 2.8 GB
+    estimate = step_memory(ModelShape.of(trainer.model, "llama"), cfg.data.seq_len, cfg.inner.optimizer,
+                           trainer.autocast_dtype is not None, gradient_checkpointing=False)
+    # the allocator enforces the whole limit (no safety margin): 16 and 8 do not fit, 4 does
+    expected = halved_until_it_fits(cfg.inner.batch_size, estimate.bytes_at, int(memory_limit_gib * GIB))
+    assert 1 < expected < cfg.inner.batch_size
     stepped(trainer, steps=1)
-    assert trainer.micro_batch_size < cfg.inner.batch_size
+    assert trainer.micro_batch_size == expected
     assert trainer.batches.position == 1 and trainer.steps_done == 1

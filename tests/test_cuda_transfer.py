@@ -1,9 +1,10 @@
-"""The outer step's flat device transfers on a GPU: the same bits as one copy per parameter, through a
-page-locked host buffer. Skipped without a CUDA device."""
+"""The outer step's flat device transfers on a GPU, what a peer takes there: the same bits as one copy
+per parameter, through a page-locked host buffer. Skipped without a CUDA device."""
 
 import pytest
 import torch
 
+from p2p_diloco.train.transfer import FlatTransfer, transfer_for
 from tests.transfer_case import DTYPES_AND_ALPHAS, check_outer_steps, first_fragment_transfer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -11,9 +12,10 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 @pytest.mark.parametrize("dtype, alpha", DTYPES_AND_ALPHAS)
 def test_flat_transfers_give_the_per_parameter_bits_on_cuda(dtype, alpha):
-    check_outer_steps("cuda", dtype, alpha)
+    check_outer_steps("cuda", dtype, alpha)  # the default factory: flat on CUDA
 
 
-def test_the_host_buffer_is_pinned():
-    _, transfer = first_fragment_transfer("cuda")
+def test_the_host_buffer_is_pinned_and_cuda_takes_the_flat_path():
+    params, transfer = first_fragment_transfer("cuda")
     assert transfer.host.is_pinned()
+    assert isinstance(transfer_for(params), FlatTransfer)

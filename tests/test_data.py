@@ -23,6 +23,7 @@ from p2p_diloco.train import data as data_module
 from p2p_diloco.train.data import (
     DataError,
     TextData,
+    checkpointed_stream_state,
     documents,
     heldout_documents,
     hub_holdout_scan_limit,
@@ -447,6 +448,24 @@ def test_a_resumed_stream_continues_the_uninterrupted_one(local_data):
         resumed = list(itertools.islice(stream, 3 * per_epoch - position))
         assert stream.position == 3 * per_epoch
         assert all(torch.equal(x, y) for x, y in zip(resumed, uninterrupted[position:], strict=True))
+
+
+def test_a_checkpoint_that_kept_only_its_data_position_resumes_there(local_data, hub_cfg):
+    # saved before streams had a state: {"data_position": batches read}, no "data_state"
+    seed = order_seed(3, "peer-a")
+    per_epoch = len(local_data.train) // BATCH
+    uninterrupted = first_batches(local_data, seed, per_epoch + 3)
+    state = checkpointed_stream_state({"outer_step": 2, "data_position": per_epoch + 1}, seed)
+    resumed = local_data.peer_batches(BATCH, seed, state=state)
+    assert all(torch.equal(x, y) for x, y in zip(itertools.islice(resumed, 2), uninterrupted[per_epoch + 1:],
+                                                 strict=True))
+    # a checkpoint with a stream state gives it as it is; one without either starts afresh
+    saved = local_data.peer_batches(BATCH, seed).state_dict()
+    assert checkpointed_stream_state({"data_state": saved, "data_position": 99}, seed) is saved
+    assert checkpointed_stream_state({"data_state": None}, seed) is None
+    assert checkpointed_stream_state({}, seed) is None
+    with pytest.raises(DataError, match="in-memory"):  # a hub stream cannot resume from a batch count
+        TextData(hub_cfg).peer_batches(BATCH, seed, state=state)
 
 
 @pytest.mark.timeout(30)

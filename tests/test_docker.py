@@ -157,9 +157,9 @@ def image_paths(invocation: Invocation) -> list[str]:
     paths = [value for param in ctx.command.params
              if isinstance(param.type, click.Path) and (value := ctx.params.get(param.name)) is not None]
     manifest = ctx.params.get("manifest")
-    if manifest is not None and "/" not in manifest and not manifest.endswith(".toml"):
+    if manifest is not None and "/" not in manifest:  # a shipped name, in peers/ beside the package: manifest.py
         package_dir = next(dest for dest, source in invocation.image.copies if source == "p2p_diloco")
-        manifest = posixpath.join(posixpath.dirname(package_dir), "peers", f"{manifest}.toml")  # manifest.py
+        manifest = posixpath.join(posixpath.dirname(package_dir), "peers", f"{manifest.removesuffix('.toml')}.toml")
     paths += [manifest] if manifest is not None else []
     return [posixpath.join(invocation.image.workdir, path) for path in paths]
 

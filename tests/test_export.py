@@ -7,8 +7,9 @@ with a checkpoint directory; then
   `AutoTokenizer.from_pretrained` load, whose logits are θ_global's and whose tokenizer gives the
   run's ids, with a record of the global state it came from;
 * a checkpoint without the files a peer saves beside it exports with `--config`, and says so without;
-* no checkpoint, a non-empty --out, a damaged checkpoint and tensors of another model are one-line
-  errors with exit status 2.
+* no checkpoint, a non-empty --out, a damaged checkpoint, tensors of another model and a --config of
+  other settings than the checkpoint was trained with are one-line errors with exit status 2;
+* the model files a peer saves replace what a crashed peer left half-written.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from p2p_diloco.config import load_config
+from p2p_diloco.config import load_config, run_fingerprint
 from p2p_diloco.export import EXPORT_RECORD, run_export
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.node_runner import EXIT_USAGE
-from p2p_diloco.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from p2p_diloco.train.data import TextData
+from p2p_diloco.train.checkpoint import (EXPORT_RUN_FILE, checkpoint_path, export_assets_path, load_checkpoint,
+                                         save_checkpoint, save_export_assets)
+from p2p_diloco.train.data import TextData, tokenizer_sha256
 from p2p_diloco.train.model import build_model, trainable_parameters
 from tests.conftest import REPO, Processes
 from tests.swarm_helpers import tiny_config_file
@@ -154,13 +156,44 @@ def rewritten_checkpoint(checkpoint_dir, folder, change, rehash: bool) -> str:
 @pytest.mark.parametrize("change, rehash, message", [
     (lambda tensors: tensors.pop(), True, "the checkpoint holds 23 tensors where the model saved in"),
     (lambda tensors: tensors.__setitem__(0, tensors[0][:-1]), True,
-     "has shape (299, 32) but model.embed_tokens.weight"),
+     "its tensor for model.embed_tokens.weight has shape (299, 32), expected (300, 32)"),
+    (lambda tensors: tensors.__setitem__(0, tensors[0].double()), True,
+     "its tensor for model.embed_tokens.weight has dtype torch.float64, expected torch.float32"),
     (lambda tensors: tensors[1].fill_(float("nan")), True, "holds NaN or infinite values"),
     (lambda tensors: tensors[2].add_(1.0), False, "is damaged: its tensors do not match the sha256"),
-], ids=["count", "shape", "nan", "damaged"])
+], ids=["count", "shape", "dtype", "nan", "damaged"])
 def test_a_checkpoint_that_does_not_fit_the_model_is_refused(trained, tmp_path, capsys, change, rehash, message):
     _, checkpoint_dir = trained
     bad = rewritten_checkpoint(checkpoint_dir, tmp_path / "bad", change, rehash)
     assert run_export(bad, str(tmp_path / "out"), None, False) == EXIT_USAGE
     assert message in one_line_error(capsys)
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_config_of_other_settings_than_the_checkpoints_is_refused(trained, tmp_path, capsys):
+    config, checkpoint_dir = trained
+    cfg = load_config(config)
+    fingerprint = run_fingerprint(cfg, tokenizer_sha256(TextData(cfg.data).tokenizer))
+    assert load_checkpoint(checkpoint_dir)["fingerprint"] == fingerprint
+    saved = json.loads((export_assets_path(checkpoint_dir) / EXPORT_RUN_FILE).read_text())
+    assert saved == {"run_name": "test", "fingerprint": fingerprint}
+
+    other = tiny_config_file(tmp_path / "other", inner={"lr": 1e-3})  # the same model, trained otherwise
+    assert run_export(str(checkpoint_dir), str(tmp_path / "out"), str(other), False) == EXIT_USAGE
+    message = one_line_error(capsys)
+    assert f"the checkpoint was trained with other settings than run config {str(other)!r}" in message
+    assert f"(settings fingerprint {fingerprint[:12]}, not " in message and "pass the run's own config" in message
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_saving_the_model_files_removes_what_a_crashed_peer_left(trained, tmp_path):
+    _, checkpoint_dir = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint_dir, copy)
+    for leftover in (".model.tmp999999", ".model.old999999"):  # another process's, half-written
+        (copy / leftover).mkdir()
+        (copy / leftover / "config.json").write_text("{")
+    folder = export_assets_path(copy)
+    save_export_assets(copy, AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder), "test", None)
+    assert not list(copy.glob(".model.*"))
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()

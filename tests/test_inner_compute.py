@@ -13,6 +13,7 @@ from p2p_diloco.config import ComputeConfig, ConfigError
 from p2p_diloco.node_runner import PeerOptions, with_compute_options
 from p2p_diloco.train.inner import (InnerTrainer, autocast_dtype, describe_compute, make_inner_optimizer,
                                     prepare_for_compute)
+from p2p_diloco.train.memory import MemoryFitError
 from p2p_diloco.train.model import build_model
 from tests.conftest import tiny_config
 
@@ -132,8 +133,9 @@ def test_out_of_memory_at_one_sequence_is_a_one_line_error(monkeypatch):
     trainer = trainer_for(cfg, batches)
     before = parameters_of(trainer)
     fail_above(trainer, monkeypatch, max_sequences=0)
-    with pytest.raises(torch.OutOfMemoryError) as raised:
+    with pytest.raises(MemoryFitError) as raised:  # a ConfigError: the peer prints it as one line and exits
         trainer.step()
+    assert isinstance(raised.value, ConfigError) and not isinstance(raised.value, torch.OutOfMemoryError)
     message = str(raised.value)
     assert "\n" not in message
     assert message == ("out of memory on cpu with one sequence per forward/backward pass: use a GPU with more "
@@ -141,6 +143,21 @@ def test_out_of_memory_at_one_sequence_is_a_one_line_error(monkeypatch):
     assert trainer.micro_batch_size == 1 and trainer.batches.position == cfg.inner.grad_accumulation
     assert all(torch.equal(a, b) for a, b in zip(before, parameters_of(trainer)))  # no step taken
     assert trainer.steps_done == 0
+
+
+def test_out_of_memory_outside_the_forward_backward_is_not_halved(monkeypatch):
+    """Only a forward/backward pass's out-of-memory error is the micro-batch's; one in the optimizer step
+    (or clipping, or the outer step) propagates as it is, to end the peer with its traceback."""
+    cfg, batches = tiny_run()
+    trainer = trainer_for(cfg, batches)
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+    monkeypatch.setattr(trainer.optimizer, "step", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        trainer.step()
+    assert trainer.micro_batch_size == cfg.inner.batch_size
 
 
 def test_micro_batch_size_defaults_and_must_divide_the_batch():

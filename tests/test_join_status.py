@@ -3,7 +3,7 @@
 * `join` with a shipped manifest trains, keeps its state in its state directory, continues from it
   after a restart, and refuses a state directory that another peer holds;
 * a peer whose settings differ from the run's is told which ones and exits, and the run never
-  averages with it;
+  averages with it; with --ignore-other-settings it trains alone;
 * `status` lists every live peer of a real swarm with its outer step, as a table and as JSON;
 * peers on a sharded stream (a local dataset read through datasets' streaming path) read different
   shards, and a restarted one goes on with its shard where it was.
@@ -25,7 +25,7 @@ from p2p_diloco.metrics import read_metrics
 from p2p_diloco.node_runner import EXIT_OTHER_SETTINGS, EXIT_USAGE
 from tests.conftest import REPO
 from tests.swarm_helpers import (
-    FAST_TIMEOUTS, last_step, outer_steps, peer_id_of, proc, start_bootstrap, start_peer, swarm, tiny_config_file,
+    FAST_TIMEOUTS, last_step, peer_id_of, proc, start_bootstrap, start_peer, swarm, tiny_config_file,
     wait_for_steps, wait_until,
 )
 
@@ -90,14 +90,21 @@ def test_a_peer_with_other_settings_is_told_which_and_exits(processes, tmp_path)
     maddr, _, metrics = swarm(processes, tmp_path, 1)
     wait_for_steps(metrics, 1)
     other = tiny_config_file(tmp_path / "other", inner={"steps_per_outer": 10, "lr": 5e-3}, swarm=FAST_TIMEOUTS)
-    start_peer(processes, "newcomer", other, maddr)
+    newcomer = start_peer(processes, "newcomer", other, maddr)
     assert exited(processes, "newcomer") == EXIT_OTHER_SETTINGS
     message = [line for line in processes.log("newcomer").splitlines() if line.startswith("error:")]
     assert len(message) == 1 and "run 'test' is trained with other settings" in message[0], message
     assert "inner.lr = 0.005 here, 0.003 there" in message[0]
     at = last_step(metrics[0])
     wait_for_steps(metrics, at + 1)
-    assert all(r["group_size"] == 1 for r in outer_steps(metrics[0]))  # never averaged with the newcomer
+    # it never trained in the run: no outer step, no state downloaded (it did write its exit)
+    assert events(newcomer, "exit") and not events(newcomer, "outer_step") and not events(newcomer, "state_loaded")
+    # told to ignore the run's settings, it trains: alone, as the run never averages with it
+    ignorer = start_peer(processes, "ignorer", other, maddr, "--ignore-other-settings", "--max-outer-steps", "1")
+    assert exited(processes, "ignorer") == 0, processes.log("ignorer")
+    assert "training anyway (--ignore-other-settings): run 'test' is trained with other settings" in \
+        processes.log("ignorer")
+    assert [r["group_size"] for r in events(ignorer, "outer_step")] == [1]
 
 
 def test_status_lists_every_live_peer_with_its_outer_step(processes, tmp_path):

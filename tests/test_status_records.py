@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -9,12 +10,14 @@ import pytest
 from p2p_diloco.config import run_fingerprint, settings_differences, settings_fingerprint, shared_settings
 from p2p_diloco.status_command import format_run, run_rows
 from p2p_diloco.swarm.identity import Identity
-from p2p_diloco.swarm.status import PeerStatus, choose_shard, parse_status, settings_mismatch
+from p2p_diloco.swarm.records import RecordPublisher, StatusValue
+from p2p_diloco.swarm.status import PeerStatus, StatusPublisher, choose_shard, parse_status, settings_mismatch
 from tests.conftest import tiny_config
 
 CFG = tiny_config()
 SETTINGS = shared_settings(CFG, "a" * 64)
 FINGERPRINT = settings_fingerprint(SETTINGS)
+TTL = 60.0
 
 
 def status_value(**change) -> dict:
@@ -24,10 +27,11 @@ def status_value(**change) -> dict:
     return {**value, **change}
 
 
-def peer(peer_id: str, **change) -> PeerStatus:
+def peer(peer_id: str, expires_in: float = TTL, **change) -> PeerStatus:
+    """A status record as read from the DHT; by default just stored (it expires a ttl from now)."""
     status = parse_status(Identity.load_or_create(None).record_subkey, status_value(**change))
     assert status is not None
-    return PeerStatus(peer_id, status.record, 0.0)
+    return PeerStatus(peer_id, status.record, time.time() + expires_in)
 
 
 def test_a_status_record_is_read_with_its_author():
@@ -61,19 +65,30 @@ def test_settings_differences_name_the_keys():
 def test_a_joiner_on_other_settings_is_told_which_differ():
     mine = shared_settings(CFG.replace(model={"intermediate_size": 128}), "a" * 64)
     statuses = {"A": peer("A"), "B": peer("B")}
-    message = settings_mismatch(statuses, "me", mine, settings_fingerprint(mine), "test")
+    message = settings_mismatch(statuses, "me", mine, settings_fingerprint(mine), "test", TTL)
     assert message.startswith("run 'test' is trained with other settings (2 of 2 live peers")
     assert "model.intermediate_size = 128 here, 64 there" in message
     # one peer on this peer's settings is a run it can train in; no other peer is a run of its own
     same = peer("C", fingerprint=settings_fingerprint(mine), settings=mine)
-    assert settings_mismatch({**statuses, "C": same}, "me", mine, settings_fingerprint(mine), "test") is None
-    assert settings_mismatch({"me": same}, "me", mine, settings_fingerprint(mine), "test") is None
+    assert settings_mismatch({**statuses, "C": same}, "me", mine, settings_fingerprint(mine), "test", TTL) is None
+    assert settings_mismatch({"me": same}, "me", mine, settings_fingerprint(mine), "test", TTL) is None
+
+
+def test_only_settled_peers_on_other_settings_stop_a_joiner():
+    mine = shared_settings(CFG.replace(inner={"lr": 5e-3}), "a" * 64)
+    starting = peer("A", phase="starting")  # the first peer of another run, say, starting beside this one
+    stale = peer("B", expires_in=TTL / 3 - 1)  # not stored again for two thirds of the ttl: gone
+    for statuses in ({"A": starting}, {"B": stale}, {"A": starting, "B": stale}):
+        assert settings_mismatch(statuses, "me", mine, settings_fingerprint(mine), "test", TTL) is None
+    settled = settings_mismatch({"A": starting, "B": stale, "C": peer("C")}, "me", mine, settings_fingerprint(mine),
+                                "test", TTL)
+    assert settled.startswith("run 'test' is trained with other settings (1 of 1 live peers")
 
 
 def test_settings_that_do_not_hash_to_their_fingerprint_are_not_quoted():
     lying = peer("A", settings={**SETTINGS, "inner.lr": 123.0})
     mine = shared_settings(CFG.replace(inner={"lr": 5e-3}), "a" * 64)
-    message = settings_mismatch({"A": lying}, "me", mine, settings_fingerprint(mine), "test")
+    message = settings_mismatch({"A": lying}, "me", mine, settings_fingerprint(mine), "test", TTL)
     assert "123" not in message and "publish no settings that match their fingerprint" in message
 
 
@@ -81,12 +96,20 @@ def test_peers_that_start_together_take_different_free_shards():
     starting = {pid: peer(pid, data_shard=None, phase="starting") for pid in ("Qa", "Qb", "Qc")}
     reading = {"Qz": peer("Qz", data_shard=0)}
     statuses = {**starting, **reading}
-    chosen = [choose_shard(statuses, pid, 4) for pid in starting]
+    chosen = [choose_shard(statuses, pid, 4, FINGERPRINT) for pid in starting]
     assert sorted(chosen) == [1, 2, 3]
     # every shard read: it shares one, the same each time it asks
     full = {f"Q{i}": peer(f"Q{i}", data_shard=i) for i in range(4)}
-    assert choose_shard(full, "Qnew", 4) == choose_shard(full, "Qnew", 4) in range(4)
-    assert choose_shard({}, "Qalone", 1) == 0
+    assert choose_shard(full, "Qnew", 4, FINGERPRINT) == choose_shard(full, "Qnew", 4, FINGERPRINT) in range(4)
+    assert choose_shard({}, "Qalone", 1, FINGERPRINT) == 0
+
+
+def test_claims_of_peers_on_other_settings_do_not_move_the_shard_choice():
+    other = settings_fingerprint({**SETTINGS, "data.shards": 8})
+    strangers = {f"Qs{i}": peer(f"Qs{i}", data_shard=i, fingerprint=other) for i in range(3)}
+    strangers["Qs9"] = peer("Qs9", data_shard=None, phase="starting", fingerprint=other)
+    assert choose_shard({**strangers, "Qz": peer("Qz", data_shard=0)}, "Qnew", 4, FINGERPRINT) == 1
+    assert choose_shard(strangers, "Qnew", 4, FINGERPRINT) == 0
 
 
 def test_the_status_table_shows_each_peer_and_other_settings():
@@ -99,3 +122,68 @@ def test_the_status_table_shows_each_peer_and_other_settings():
     assert table.splitlines()[0] == f"run test: 3 live peer(s), outer step 3, settings {FINGERPRINT[:12]} " \
                                     f"(1 peer(s) on other settings: they never average with the others)"
     assert "A1234567" in table and "(other)" in table and "NAT" in table
+
+
+class FakeDHT:
+    """What a RecordPublisher calls: store, which can be made to block like a slow network."""
+
+    def __init__(self):
+        self.stored: list[dict] = []
+        self.release = threading.Event()
+        self.release.set()
+        self.storing = threading.Event()
+
+    def store(self, key, value, subkey, expiration_time) -> bool:
+        self.storing.set()
+        self.release.wait(10)
+        self.stored.append(value)
+        return True
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_non_finite_loss_is_published_as_none_and_never_raises(caplog):
+    dht = FakeDHT()
+    publisher = StatusPublisher(dht, "test", Identity.load_or_create(None).record_subkey, TTL,
+                                fingerprint=FINGERPRINT, settings=SETTINGS, reachability="direct", device="cpu")
+    try:
+        publisher.update(inner_steps=5, samples_per_s=float("inf"), loss=float("nan"))  # a diverging run
+        publisher.publish(phase="training", loss=float("inf"))
+        last = dht.stored[-1]
+        assert last["loss"] is None and last["samples_per_s"] == 0.0 and last["inner_steps"] == 5
+        StatusValue.parse_obj(last)  # what other nodes accept
+        publisher.publish(loss=2.5)
+        assert dht.stored[-1]["loss"] == 2.5
+        # a value the schema refuses (a bug) is logged once and not stored; the training loop goes on
+        stored = len(dht.stored)
+        publisher.publish(phase="bogus")
+        publisher.publish(phase="bogus")
+        assert len(dht.stored) == stored
+        assert len([r for r in caplog.records if "not publishing this peer's status record" in r.message]) == 1
+    finally:
+        publisher.close()
+
+
+def test_an_update_never_waits_for_a_store_and_a_last_word_stays_last():
+    dht = FakeDHT()
+    records = RecordPublisher(dht, "test_status", b"subkey", ttl=0.3, what="test")  # refreshed every 0.1 s
+    try:
+        dht.release.clear()  # the network is slow: the refresh holds the store
+        records.update({"n": 1})
+        assert dht.storing.wait(5)
+        started = time.monotonic()
+        records.update({"n": 2})
+        assert time.monotonic() - started < 0.05  # it did not wait for the store in progress
+        dht.release.set()
+        wait_for(lambda: {"n": 2} in dht.stored)
+        records.publish({"n": 3}, keep_fresh=False)  # a last word: stored now, never refreshed over
+        stored = len(dht.stored)
+        time.sleep(0.35)
+        assert len(dht.stored) == stored and dht.stored[-1] == {"n": 3}
+    finally:
+        records.close()

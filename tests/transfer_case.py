@@ -1,11 +1,14 @@
-"""GlobalModel's flat transfers against the per-parameter code they replaced, on any device
-(tests/test_transfer.py on the CPU, tests/test_cuda_transfer.py on a GPU).
+"""GlobalModel's transfers against the per-parameter code they replaced, on any device
+(tests/test_transfer.py on the CPU, tests/test_cuda_transfer.py on a GPU): the flat one
+(FlatTransfer, what a GPU peer uses, checked on the CPU too) and the one a peer picks by default
+(transfer_for: flat on CUDA, direct elsewhere).
 
 A tiny Llama with 2 Streaming DiLoCo fragments (arXiv 2501.18512) takes outer steps t = 0..3 on
 fragment t mod 2: random drift stands in for the inner steps, then Δ = θ_global − θ_local, the outer
 Nesterov step and the merge θ_local ← α·θ_local + (1 − α)·θ_global (DiLoCo, arXiv 2311.08105, Alg. 1
 lines 10-12). A plain-torch reference does the same with one copy per parameter; every Δ, the state's
-sha256 after each outer step and θ_local after each merge must be the same bits.
+sha256 after each outer step and θ_local after each merge (and after copy_to, fragment by fragment
+and whole) must be the same bits.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from p2p_diloco.config import OuterConfig
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.train.fragments import model_fragments
 from p2p_diloco.train.model import build_model, trainable_parameters
-from p2p_diloco.train.outer import GlobalModel
-from p2p_diloco.train.transfer import FlatTransfer
+from p2p_diloco.train.outer import GlobalModel, TransferFactory
+from p2p_diloco.train.transfer import FlatTransfer, transfer_for
 from tests.conftest import tiny_config
 
 VOCAB = 300
@@ -28,6 +31,7 @@ DRIFT = 1e-2  # standard deviation of the stand-in for a round of inner steps
 INTEGER_OF_WIDTH = {4: torch.int32, 2: torch.int16}
 # θ_local is fp32 in this project (bf16 only under autocast); bf16 parameters exercise the casts
 DTYPES_AND_ALPHAS = [(dtype, alpha) for dtype in (torch.float32, torch.bfloat16) for alpha in (0.0, 0.5)]
+TRANSFER_FACTORIES = {"flat": FlatTransfer, "default": transfer_for}
 
 
 class PerParameterReference:
@@ -96,13 +100,16 @@ def drift_(param_sets: Sequence[Sequence[torch.Tensor]], generator: torch.Genera
             p.add_(noise)
 
 
-def check_outer_steps(device: str, dtype: torch.dtype, alpha: float) -> None:
-    """OUTER_STEPS outer steps of GlobalModel and of the reference, compared bit for bit after each stage."""
+def check_outer_steps(device: str, dtype: torch.dtype, alpha: float,
+                      transfer_factory: TransferFactory = transfer_for) -> None:
+    """OUTER_STEPS outer steps of GlobalModel (its fragments' transfers made by `transfer_factory`) and of the
+    reference, compared bit for bit after each stage."""
     cfg, model, fragments = tiny_llama(device, dtype)
     assert len(fragments) == 2
     local = trainable_parameters(model)
     reference_local = [p.detach().clone() for p in local]
-    global_model, reference = GlobalModel(local, cfg.outer), PerParameterReference(reference_local, cfg.outer)
+    global_model = GlobalModel(local, cfg.outer, transfer_factory)
+    reference = PerParameterReference(reference_local, cfg.outer)
     generator = torch.Generator().manual_seed(0)
     for t in range(OUTER_STEPS):
         indices = fragments[t % len(fragments)]
@@ -116,7 +123,8 @@ def check_outer_steps(device: str, dtype: torch.dtype, alpha: float) -> None:
         global_model.merge_into(local, indices, alpha)
         reference.merge_into(reference_local, indices, alpha)
         assert_same_bits(local, reference_local)
-    drift_([local, reference_local], generator)
-    global_model.copy_to(local)
-    reference.copy_to(reference_local)
-    assert_same_bits(local, reference_local)
+    for copy_fragments in (fragments, None):  # through the fragments' transfers, then one of the whole model
+        drift_([local, reference_local], generator)
+        global_model.copy_to(local, copy_fragments)
+        reference.copy_to(reference_local)
+        assert_same_bits(local, reference_local)

@@ -275,27 +275,35 @@ class RecordPublisher:
     or freezing.
     hivemind keeps whichever value of a subkey expires last, so every value (a final one too)
     expires `ttl` after it was stored.
+
+    A store blocks for as long as the DHT takes (seconds, on a slow network). :meth:`update` never
+    waits for one: it only replaces the value that the next refresh stores. A lock orders the stores
+    themselves (:meth:`publish`, the refresh), so that a refresh never stores a value older than the
+    last published one: after a last word, nothing is refreshed until the next update or publish.
     """
 
     def __init__(self, dht, key: str, subkey: bytes, ttl: float, what: str, refresh_s: Optional[float] = None):
         self.dht, self.key, self.subkey, self.ttl, self.what = dht, key, subkey, ttl, what
         self.refresh_s = min(refresh_s or ttl / 3, ttl / 3)
-        self._value: Optional[dict] = None
-        self._lock = threading.Lock()
+        self._value: Optional[dict] = None  # what the next refresh stores; None: nothing (a last word)
+        self._store_lock = threading.Lock()  # held while storing; update() never takes it
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._refresh_periodically, name=f"{what}-heartbeat", daemon=True)
         self._heartbeat.start()
 
     def publish(self, value: dict, keep_fresh: bool = True) -> None:
         """Store `value` now; refresh it until the next publish, unless `keep_fresh` is False (a last word)."""
-        with self._lock:
+        with self._store_lock:
             self._value = value if keep_fresh else None
             self._store(value, complain=keep_fresh)
 
     def update(self, value: dict) -> None:
-        """Store `value` at the next refresh (within `refresh_s`), not now: for values that change often."""
-        with self._lock:
-            self._value = value
+        """Store `value` at the next refresh (within `refresh_s`), not now: for values that change often.
+
+        Never waits for a store in progress. Binding an attribute is atomic in CPython, so the refresh
+        thread reads either the old value or this one, whole; the caller must not change `value` after.
+        """
+        self._value = value
 
     def _store(self, value: dict, complain: bool = True) -> None:
         try:
@@ -308,9 +316,10 @@ class RecordPublisher:
 
     def _refresh_periodically(self) -> None:
         while not self._stop.wait(self.refresh_s):
-            with self._lock:
-                if self._value is not None:
-                    self._store(self._value)
+            with self._store_lock:  # read under the lock: a publish that went before is not undone
+                value = self._value
+                if value is not None:
+                    self._store(value)
 
     def close(self) -> None:
         self._stop.set()

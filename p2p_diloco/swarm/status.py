@@ -8,24 +8,30 @@ record it sits under the peer's owner subkey and carries its signature
 (:mod:`p2p_diloco.swarm.records`, where its schema :class:`StatusValue` is).
 
 Nothing a peer decides about averaging depends on a status record: a stranger's false status can
-mislead a reader of the table, never split the run. Two decisions do read them, both at start-up:
+mislead a reader of the table, never make peers average across settings. Two decisions do read
+them, both at start-up, and both only advise:
 
-* a joiner that finds the run's live peers all on another fingerprint stops, naming the settings
-  that differ (:func:`settings_mismatch`): it could never average with them;
-* a peer reading a sharded stream picks a data shard that no live peer reads (:func:`choose_shard`).
+* a joiner that sees no live peer of its own settings, and the run's settled peers all on another
+  fingerprint, stops, naming the settings that differ (:func:`settings_mismatch`): it could never
+  average with them. One identity can forge such records; ``--ignore-other-settings`` trains anyway;
+* a peer reading a sharded stream picks a data shard that no live peer of its settings reads
+  (:func:`choose_shard`). A peer whose data is not sharded reads all of it and claims no shard.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from hivemind import DHT
+from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import settings_differences, settings_fingerprint
+from p2p_diloco.remote_input import parse
 from p2p_diloco.swarm.records import RecordPublisher, StatusValue, read_signed, runs_key, signed_records, status_key
 
 logger = logging.getLogger(__name__)
@@ -65,15 +71,21 @@ def read_status(dht: DHT, run_name: str) -> dict[str, PeerStatus]:
 
 
 def settings_mismatch(statuses: dict[str, PeerStatus], peer_id: str, settings: dict[str, Any],
-                      fingerprint: str, run_name: str) -> Optional[str]:
+                      fingerprint: str, run_name: str, ttl: float, now: Optional[float] = None) -> Optional[str]:
     """None when this peer can train in the run; else one line saying why not.
 
     The run is the other live peers. When none of them shares this peer's fingerprint, this peer
     could never average with them: it is told which settings differ (from the most common other
-    fingerprint's published settings, when they hash to that fingerprint).
+    fingerprint's published settings, when they hash to that fingerprint). Only settled peers
+    count: not those still starting, and not those whose record was not stored again in the last
+    two thirds of `ttl` (this peer's ``swarm.progress_ttl``; DHT time `now`), which are gone.
     """
     others = [s for pid, s in statuses.items() if pid != peer_id]
-    if not others or any(s.record.fingerprint == fingerprint for s in others):
+    if any(s.record.fingerprint == fingerprint for s in others):
+        return None
+    stored_after = (get_dht_time() if now is None else now) + ttl / 3  # what expires after was stored recently
+    others = [s for s in others if s.record.phase != STARTING and s.expires_at >= stored_after]
+    if not others:
         return None
     counts = Counter(s.record.fingerprint for s in others)
     theirs, count = counts.most_common(1)[0]
@@ -86,13 +98,15 @@ def settings_mismatch(statuses: dict[str, PeerStatus], peer_id: str, settings: d
             f"or config, or pick another run.name")
 
 
-def choose_shard(statuses: dict[str, PeerStatus], peer_id: str, num_shards: int) -> int:
-    """A data shard for a peer that has none yet: one no live peer reads, if any is left.
+def choose_shard(statuses: dict[str, PeerStatus], peer_id: str, num_shards: int, fingerprint: str) -> int:
+    """A data shard for a peer that has none yet: one no live peer of its settings (`fingerprint`)
+    reads, if any is left; peers on other settings read other data, whatever they claim.
 
     Peers that start together see each other without a shard (phase ``starting``): they take the
     free shards in the order of their peer IDs, so they take different ones. A peer that sees no
     free shard shares one, chosen by its peer ID.
     """
+    statuses = {pid: s for pid, s in statuses.items() if s.record.fingerprint == fingerprint}
     taken = {s.record.data_shard for pid, s in statuses.items() if pid != peer_id and s.record.data_shard is not None}
     free = [shard for shard in range(num_shards) if shard not in taken]
     if not free:
@@ -105,9 +119,11 @@ class StatusPublisher:
     """Keeps this peer's status record, and its run's announcement, fresh on the DHT.
 
     :meth:`update` changes fields that move all the time (inner steps, throughput, loss): they are
-    stored at the next refresh, every ``REFRESH_S`` seconds. :meth:`publish` stores at once, for a
-    new phase or outer step. Every value is checked against the schema before it is stored: a bug
-    here must show in this peer, not as a warning in every reader.
+    stored at the next refresh, every ``REFRESH_S`` seconds; it never waits for the DHT. :meth:`publish`
+    stores at once, for a new phase or outer step. A loss or throughput that is not a finite number
+    (a diverging run) is published as none. Neither raises into the training loop: the fields that
+    never change are checked against the schema at start-up, and a published value that fails it
+    is logged once and not stored.
     """
 
     REFRESH_S = 10.0
@@ -118,31 +134,47 @@ class StatusPublisher:
 
         self.started = time.monotonic()
         self.fingerprint = fingerprint
-        self._last_update = 0.0
         self._fields: dict[str, Any] = dict(
             outer_step=0, phase=STARTING, inner_steps=0, samples_per_s=0.0, loss=None, reachability=reachability,
             version=__version__, device=device[:64], uptime_s=0.0, data_shard=None, fingerprint=fingerprint,
             settings=settings,
-        )
+        )  # replaced by each new value, never changed in place: the refresh thread may be storing it
+        StatusValue.parse_obj(self._value())  # a bug in the fields that never change shows at start-up
+        self._warned = False
         self._status = RecordPublisher(dht, status_key(run_name), record_subkey, ttl, "status", self.REFRESH_S)
         self._announcement = RecordPublisher(dht, runs_key(), record_subkey, ttl, "run announcement")
         self._announcement.publish(dict(run=run_name, fingerprint=fingerprint, time=time.time()))
 
-    def _value(self) -> dict[str, Any]:
-        value = dict(self._fields, uptime_s=time.monotonic() - self.started, time=time.time())
-        StatusValue.parse_obj(value)
+    def _value(self, **fields: Any) -> dict[str, Any]:
+        """The record with `fields` changed; a loss or throughput that is not finite becomes None or 0."""
+        value = dict(self._fields, **fields, uptime_s=time.monotonic() - self.started, time=time.time())
+        if not _finite(value["loss"]):
+            value["loss"] = None
+        if not _finite(value["samples_per_s"]):
+            value["samples_per_s"] = 0.0
         return value
 
     def update(self, **fields: Any) -> None:
-        self._fields.update(fields)
-        if time.monotonic() - self._last_update >= 1.0:  # building a value is cheap, not free: not every step
-            self._last_update = time.monotonic()
-            self._status.update(self._value())
+        """Inner steps, throughput and loss (numbers: not checked again), for the next refresh."""
+        value = self._value(**fields)
+        self._fields = value
+        self._status.update(value)
 
     def publish(self, **fields: Any) -> None:
-        self._fields.update(fields)
-        self._status.publish(self._value(), keep_fresh=self._fields["phase"] != LEFT)
+        value = self._value(**fields)
+        _, problem = parse(StatusValue, value)
+        if problem is not None:
+            if not self._warned:
+                self._warned = True
+                logger.warning("not publishing this peer's status record (%s): it does not match the schema", problem)
+            return
+        self._fields = value
+        self._status.publish(value, keep_fresh=value["phase"] != LEFT)
 
     def close(self) -> None:
         self._status.close()
         self._announcement.close()
+
+
+def _finite(number: Any) -> bool:
+    return isinstance(number, (int, float)) and math.isfinite(number)

@@ -2,7 +2,8 @@
 
 Beside ``checkpoint.pt``, a peer also keeps what the checkpoint's tensors do not say, so that
 ``p2p-diloco export`` can turn them into a model: ``model/``, the model's transformers config and
-the run's tokenizer (a ``save_pretrained`` folder without weights) and the run's name.
+the run's tokenizer (a ``save_pretrained`` folder without weights), the run's name and the
+fingerprint of its settings.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-EXPORT_RUN_FILE = "p2p_diloco_run.json"  # in the export assets: {"run_name": ...}
+EXPORT_RUN_FILE = "p2p_diloco_run.json"  # in the export assets: {"run_name": ..., "fingerprint": ...}
 
 
 def checkpoint_path(directory: str | os.PathLike) -> Path:
@@ -54,20 +55,24 @@ def load_checkpoint(directory: str | os.PathLike) -> Optional[dict]:
         return None
 
 
-def save_export_assets(directory: str | os.PathLike, model_config, tokenizer, run_name: str) -> Path:
-    """Write the model's transformers config, the tokenizer and the run's name to ``directory/model``.
+def save_export_assets(directory: str | os.PathLike, model_config, tokenizer, run_name: str,
+                       fingerprint: Optional[str] = None) -> Path:
+    """Write the model's transformers config, the tokenizer, the run's name and its settings fingerprint
+    (:func:`p2p_diloco.config.settings_fingerprint`) to ``directory/model``.
 
     They are written to a temporary folder that then replaces the old one: a crash never leaves a
     half-written folder (at worst, between the two renames, none, which the peer's next start writes).
+    The temporary folders that a crashed process left are removed first (the peer that runs from this
+    directory holds it alone).
     """
     path = export_assets_path(directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp, old = (path.with_name(f".{path.name}.{what}{os.getpid()}") for what in ("tmp", "old"))
-    for leftover in (tmp, old):
+    for leftover in [*path.parent.glob(f".{path.name}.tmp*"), *path.parent.glob(f".{path.name}.old*")]:
         shutil.rmtree(leftover, ignore_errors=True)
     model_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / EXPORT_RUN_FILE).write_text(json.dumps({"run_name": run_name}) + "\n")
+    (tmp / EXPORT_RUN_FILE).write_text(json.dumps({"run_name": run_name, "fingerprint": fingerprint}) + "\n")
     if path.exists():
         os.replace(path, old)
     os.replace(tmp, path)

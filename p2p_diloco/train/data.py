@@ -421,6 +421,16 @@ class ShuffledBatches(BatchStream):
         return dict(kind=self.KIND, order_seed=self.order_seed, position=self.position)
 
 
+def checkpointed_stream_state(checkpoint: dict, order_seed: int) -> Optional[dict]:
+    """The stream state a checkpoint resumes from: its ``data_state``; in a checkpoint saved before
+    streams had one, the in-memory stream's state at its ``data_position`` (the batches it had read),
+    in this peer's order (`order_seed`). A hub stream cannot resume from that: it reads its shard
+    from the start. None: no state saved (a fresh stream)."""
+    if "data_state" in checkpoint or not isinstance(checkpoint.get("data_position"), int):
+        return checkpoint.get("data_state")
+    return dict(kind=ShuffledBatches.KIND, order_seed=order_seed, position=checkpoint["data_position"])
+
+
 class StreamedBatches(BatchStream):
     """One shard of a hub source (:func:`hub_shard`), pass after pass, in this peer's own order.
 

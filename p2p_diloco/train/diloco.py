@@ -49,7 +49,7 @@ from p2p_diloco.swarm.status import StatusPublisher, choose_shard, read_status, 
 from p2p_diloco.sync.outer_sync import GroupMean, OuterSync, RoundFailed
 from p2p_diloco.sync.state_transfer import StateExpectation, download_global_state, nobody_serves
 from p2p_diloco.train.checkpoint import load_checkpoint, save_checkpoint
-from p2p_diloco.train.data import DataError
+from p2p_diloco.train.data import DataError, checkpointed_stream_state, order_seed
 from p2p_diloco.train.fragments import FragmentSchedule, model_fragments
 from p2p_diloco.train.inner import InnerTrainer
 from p2p_diloco.train.model import trainable_parameters
@@ -226,11 +226,14 @@ class DiLoCoPeer:
     def _stopping(self) -> bool:
         return self.stop_event.is_set()
 
-    def run(self, max_outer_steps: Optional[int] = None, wait_for_peers: int = 1) -> None:
+    def run(self, max_outer_steps: Optional[int] = None, wait_for_peers: int = 1,
+            ignore_other_settings: bool = False) -> None:
         """Train until stopped, or until θ_global reaches outer step `max_outer_steps`.
 
         With `wait_for_peers` > 1, the first round waits (at most ``swarm.start_wait_timeout``) until
-        that many peers, this one included, are in the swarm.
+        that many peers, this one included, are in the swarm. A peer that finds the run's live peers
+        all on other settings raises RunSettingsMismatch, or with `ignore_other_settings` says so and
+        trains (:meth:`_check_settings`).
         """
         try:
             self._join()
@@ -238,9 +241,7 @@ class DiLoCoPeer:
                 logger.info("waiting for %d peers before training", wait_for_peers)
                 self.progress.wait_for_peers(wait_for_peers, self.cfg.swarm.start_wait_timeout, self.stop_event)
             statuses = read_status(self.progress.dht, self.cfg.run.name)
-            mismatch = settings_mismatch(statuses, self.peer_id, self.settings, self.fingerprint, self.cfg.run.name)
-            if mismatch is not None:
-                raise RunSettingsMismatch(mismatch)
+            self._check_settings(statuses, ignore_other_settings)
             self._open_data(statuses)
             self.clock.reset()  # start-up is not part of any outer step
             while not self._stopping():
@@ -260,16 +261,35 @@ class DiLoCoPeer:
     def _join(self) -> None:
         self.restored = self._restore_checkpoint()
         self._after_state_change()
-        self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
+        # the status record first: a peer that sees this one's progress record sees its settings too
         self.status.publish(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done,
-                            data_shard=self.data_shard)
+                            data_shard=self._shard_claim())
+        self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
         logger.info("joined at outer step %d (%s)", self.global_model.outer_step,
                     "checkpoint" if self.restored else "fresh")
+
+    def _check_settings(self, statuses: dict, ignore_other_settings: bool) -> None:
+        """Stop when the run's live peers all train with other settings (:func:`settings_mismatch`): this
+        peer could never average with them. The status records say so, and one identity can forge
+        them: the check only advises, `ignore_other_settings` overrides it."""
+        if any(peer_id != self.peer_id for peer_id in self.progress.fetch()):
+            return  # another live peer of this peer's settings: progress records count no others
+        mismatch = settings_mismatch(statuses, self.peer_id, self.settings, self.fingerprint, self.cfg.run.name,
+                                     self.cfg.swarm.progress_ttl)
+        if mismatch is None:
+            return
+        if not ignore_other_settings:
+            raise RunSettingsMismatch(f"{mismatch} (--ignore-other-settings trains anyway)")
+        logger.warning("training anyway (--ignore-other-settings): %s", mismatch)
+
+    def _shard_claim(self) -> Optional[int]:
+        """The data shard its status record names: none when the data is not sharded (it reads all of it)."""
+        return self.data_shard if self.data.num_shards > 1 else None
 
     def _open_data(self, statuses: dict) -> None:
         """This peer's data stream: where its checkpoint left it, or a shard that no live peer reads."""
         if self.data_shard is None:
-            self.data_shard = choose_shard(statuses, self.peer_id, self.data.num_shards)
+            self.data_shard = choose_shard(statuses, self.peer_id, self.data.num_shards, self.fingerprint)
         try:
             stream = self.data.open(self.data_shard, self._saved_data_state)
         except DataError as e:
@@ -283,7 +303,7 @@ class DiLoCoPeer:
         if self.data.num_shards > 1:
             logger.info("reading data shard %d of %d from batch %d", self.data_shard, self.data.num_shards,
                         stream.position)
-        self.status.publish(phase=peer_status.TRAINING, data_shard=self.data_shard)
+        self.status.publish(phase=peer_status.TRAINING, data_shard=self._shard_claim())
         self.metrics.write("join", outer_step=self.global_model.outer_step, global_sha256=self.sha256,
                            from_checkpoint=self.restored, data_shard=self.data_shard, data_position=stream.position)
 
@@ -465,7 +485,7 @@ class DiLoCoPeer:
             return False
         with self._state_lock:
             self.global_model.load_state_tensors(state.tensors, state.outer_step)
-            self.global_model.copy_to(self.local_params)
+            self.global_model.copy_to(self.local_params, self.schedule.fragments)
             self.inner.fast_forward_schedule(state.inner_steps)
             self.contribution = Contribution(len(self.schedule.fragments))
             self.steps_ahead = 0
@@ -489,6 +509,7 @@ class DiLoCoPeer:
             state = dict(
                 outer_step=self.global_model.outer_step,
                 sha256=self.sha256,
+                fingerprint=self.fingerprint,  # the run settings it was trained with (export checks them)
                 inner_steps=self.inner.steps_done,
                 data_shard=self.data_shard,
                 data_state=self.stream.state_dict() if self.stream is not None else None,
@@ -505,10 +526,11 @@ class DiLoCoPeer:
             return False
         with self._state_lock:
             self.global_model.load_state_tensors(state["global_state"], state["outer_step"])
-            self.global_model.copy_to(self.local_params)
+            self.global_model.copy_to(self.local_params, self.schedule.fragments)
             self.inner.optimizer.load_state_dict(state["inner_optimizer"])
             self.inner.fast_forward_schedule(state["inner_steps"])
-        self.data_shard, self._saved_data_state = state.get("data_shard"), state.get("data_state")
+        self.data_shard = state.get("data_shard")
+        self._saved_data_state = checkpointed_stream_state(state, order_seed(self.cfg.run.seed, self.peer_id))
         if self.data_shard is not None and not 0 <= self.data_shard < self.data.num_shards:
             logger.warning("the checkpoint's data shard %d is not one of the %d shards of this config: reading "
                            "another shard from its start", self.data_shard, self.data.num_shards)

@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import PreTrainedModel
 
 from p2p_diloco.config import ComputeConfig, ConfigError, InnerConfig
-from p2p_diloco.train.memory import largest_divisor, memory_remedies
+from p2p_diloco.train.memory import MemoryFitError, largest_divisor, memory_remedies
 
 logger = logging.getLogger(__name__)
 
@@ -172,15 +172,16 @@ class InnerTrainer:
         return total
 
     def _halve_micro_batch(self) -> None:
-        """After an out-of-memory error: the next divisor of the batch size <= half the micro-batch, or a
-        one-line error at 1. The gradients of the failed attempt are dropped and the cache freed."""
+        """After an out-of-memory error in a forward/backward pass: the next divisor of the batch size <= half
+        the micro-batch, or at 1 a one-line MemoryFitError. The gradients of the failed attempt are dropped
+        and the cache freed."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             gc.collect()  # what the failed attempt's graph still holds through reference cycles
             torch.cuda.empty_cache()
         failed = self.micro_batch_size
         if failed == 1:
-            raise torch.cuda.OutOfMemoryError(
+            raise MemoryFitError(
                 f"out of memory on {self.device} with one sequence per forward/backward pass: "
                 + memory_remedies(self.cfg.optimizer, self.compute.gradient_checkpointing))
         self.micro_batch_size = largest_divisor(self.cfg.batch_size, failed // 2)

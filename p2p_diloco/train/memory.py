@@ -43,16 +43,27 @@ attention heads and a vocabulary of ``V`` tokens, training on sequences of ``s``
   only its input, the fp32 residual stream ``4·s·h``, and the backward pass recomputes one layer at a
   time, whose full activations are held once: ``L·4·s·h`` plus one layer as above.
 
-* The logits and the loss, per sequence: ``s·V·(2 + 4 + 4)`` bytes: the 16-bit logits, the fp32
-  log-softmax the cross-entropy keeps for its backward, and its fp32 gradient (``s·V·(4 + 4 + 4)``
-  with fp32 logits). With a 32k vocabulary this is as much as several layers.
+* The logits and the loss, per sequence: ``12·s·V`` bytes, at the peak of the loss's backward pass.
+  transformers' causal-LM loss upcasts the logits to fp32 and takes the cross-entropy, a log-softmax
+  then a negative log-likelihood; of the forward only the fp32 log-softmax output stays alive, saved
+  for the backward (4 bytes per logit: the inner loop keeps only the loss, so the model's output, the
+  bf16 logits under autocast, is dropped before the backward, and the fp32 upcast is saved by nothing).
+  In the backward the log-softmax's backward holds that output, its incoming gradient (dense, fp32,
+  from the negative log-likelihood's backward) and the gradient it makes for its input (fp32):
+  ``4 + 4 + 4``, with bf16 or fp32 logits alike (measured on a CPU: 12.1 bytes per added logit of
+  peak memory, either precision). The forward's peak is lower (bf16 logits, their fp32 upcast and the log-softmax: ``2 + 4 + 4``),
+  and so is what follows (the gradient cast to bf16 for the head's backward). With a 32k vocabulary this
+  is as much as several layers.
 
 So one step takes ``fixed + m·per_sequence`` bytes (:class:`StepMemory`). Of the budget, 10%
 (:data:`SAFETY_MARGIN_PERCENT`) is kept back for what the estimate leaves out: the gradients of the
 activations in flight during the backward pass, the caching allocator's fragmentation, cuBLAS
-workspaces, the temporaries of the optimizer step, and, with ``--max-memory``, the CUDA context
-itself. The inner loop still halves its micro-batch if a step runs out of memory
-(:class:`p2p_diloco.train.inner.InnerTrainer`).
+workspaces and the temporaries of the optimizer step. On CUDA ``--max-memory`` is also a limit:
+:func:`cap_allocator` caps torch's caching allocator at it (the CUDA context, a few hundred MiB, is
+outside the cap), so a step that needs more runs out of memory within it, and the inner loop halves
+its micro-batch (:class:`p2p_diloco.train.inner.InnerTrainer`) rather than grow into memory that
+another process on the GPU may use. Without ``--max-memory`` the inner loop halves its micro-batch
+when a step runs out of the GPU's memory.
 """
 
 from __future__ import annotations
@@ -80,7 +91,8 @@ class LayerBytes:
 
 LAYER_BYTES = {True: LayerBytes(34, 8, 6), False: LayerBytes(40, 16, 4)}  # by bf16 autocast or not
 RESIDUAL_BYTES = 4  # per value of the fp32 residual stream: what a checkpointed layer keeps of its input
-LOSS_BYTES_PER_LOGIT = 4 + 4  # fp32 log-softmax kept for the backward + its fp32 gradient
+# at the loss backward's peak: the fp32 log-softmax kept for it, its incoming fp32 gradient and its input's
+LOSS_BYTES_PER_LOGIT = 4 + 4 + 4
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"adamw": 8, "adamw8bit": 2}
 
 
@@ -147,7 +159,7 @@ def activation_bytes_per_sequence(shape: ModelShape, seq_len: int, bf16: bool, g
         layers = shape.layers * seq_len * shape.hidden_size * RESIDUAL_BYTES + layer
     else:
         layers = shape.layers * layer
-    logits = seq_len * shape.vocab_size * ((2 if bf16 else 4) + LOSS_BYTES_PER_LOGIT)
+    logits = seq_len * shape.vocab_size * LOSS_BYTES_PER_LOGIT  # the same with bf16 or fp32 logits
     return layers + logits
 
 
@@ -188,6 +200,20 @@ def memory_budget(device: torch.device, max_memory_gib: float) -> Optional[Memor
         return None
     free_bytes, _total = torch.cuda.mem_get_info(device)
     return MemoryBudget(free_bytes + torch.cuda.memory_reserved(device), str(device), "free at start-up")
+
+
+def cap_allocator(device: torch.device, max_memory_gib: float) -> Optional[int]:
+    """With ``max_memory_gib`` > 0 on CUDA, make it a limit: torch's caching allocator may then hold at most
+    that many bytes of the device (``torch.cuda.set_per_process_memory_fraction``), and a step that needs
+    more raises an out-of-memory error there. Returns the cap in bytes; None (nothing capped) without a
+    ``max_memory_gib`` or off CUDA."""
+    if max_memory_gib <= 0 or device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    total_bytes = torch.cuda.get_device_properties(index).total_memory
+    cap_bytes = min(int(max_memory_gib * GIB), total_bytes)
+    torch.cuda.set_per_process_memory_fraction(cap_bytes / total_bytes, index)
+    return cap_bytes
 
 
 def format_bytes(n: int) -> str:

@@ -12,28 +12,37 @@ The outer optimizer is torch's SGD with Nesterov momentum, exactly the update th
 global state is θ_global and that momentum: peers that hold the same θ_global but another momentum
 would part ways at the next step, so the state's sha256 covers both.
 
-θ_local moves to and from the CPU one fragment at a time as one flat buffer, one copy each way
-(:class:`~p2p_diloco.train.transfer.FlatTransfer`), with the same values as copying each parameter.
+θ_local moves to and from the CPU one fragment at a time, with the same values as copying each
+parameter (:mod:`p2p_diloco.train.transfer`): on CUDA as one flat page-locked buffer, one copy each
+way (:class:`~p2p_diloco.train.transfer.FlatTransfer`); on a CPU directly, without a buffer or, for
+fp32 parameters, any copy (:class:`~p2p_diloco.train.transfer.DirectTransfer`).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.hashing import tensors_sha256
-from p2p_diloco.train.transfer import FlatTransfer
+from p2p_diloco.train.transfer import Transfer, transfer_for
+
+TransferFactory = Callable[[Sequence[torch.Tensor]], Transfer]  # a fragment's parameters -> its transfer
 
 
 class GlobalModel:
-    """θ_global, its outer optimizer state and the outer step counter, in one place."""
+    """θ_global, its outer optimizer state and the outer step counter, in one place.
 
-    def __init__(self, local_params: Sequence[torch.Tensor], cfg: OuterConfig):
+    `transfer_factory` makes each fragment's transfer (default :func:`~p2p_diloco.train.transfer.transfer_for`:
+    flat on CUDA, direct elsewhere); the tests pass FlatTransfer to check it on a CPU."""
+
+    def __init__(self, local_params: Sequence[torch.Tensor], cfg: OuterConfig,
+                 transfer_factory: TransferFactory = transfer_for):
         self.params = [p.detach().to("cpu", torch.float32, copy=True) for p in local_params]
         self.outer_step = 0
-        self._transfers: dict[tuple, FlatTransfer] = {}  # (fragment's indices, device) -> its host buffer
+        self._transfer_factory = transfer_factory
+        self._transfers: dict[tuple, Transfer] = {}  # (fragment's indices, device) -> its transfer (host buffer)
         # torch's SGD refuses nesterov=True without momentum; with momentum 0 both updates coincide
         self.optimizer = torch.optim.SGD(
             self.params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0
@@ -57,16 +66,20 @@ class GlobalModel:
         self.outer_step += 1
 
     @torch.no_grad()
-    def copy_to(self, local_params: Sequence[torch.Tensor]) -> None:
-        """θ_local ← θ_global (cast to the local parameters' device and dtype), in one transfer.
+    def copy_to(self, local_params: Sequence[torch.Tensor],
+                fragments: Optional[Sequence[Sequence[int]]] = None) -> None:
+        """θ_local ← θ_global (cast to the local parameters' device and dtype), fragment by fragment.
 
-        Called when a state is loaded, rarely: the whole model's host buffer is kept only if an outer
-        step made one (one fragment, P = 1), so a peer with P fragments does not page-lock the model twice.
+        `fragments`: the index lists of the fragments the outer steps use (default: one fragment of
+        all the parameters). Each goes through its fragment's own transfer, the one its outer steps reuse, so
+        loading a state makes no whole-model host buffer beside theirs (torch's pinned-memory cache
+        would keep one page-locked for the rest of the run).
         """
-        indices = list(range(len(self.params)))
-        transfer = self._transfers.get(self._transfer_key(local_params, indices))
-        transfer = transfer or FlatTransfer(local_params)
-        transfer.scatter(self.params, local_params, alpha=0.0)
+        fragments = [list(range(len(self.params)))] if fragments is None else fragments
+        if sorted(i for indices in fragments for i in indices) != list(range(len(self.params))):
+            raise ValueError(f"fragments that do not cover each of the {len(self.params)} parameters once")
+        for indices in fragments:
+            self.merge_into(local_params, indices, alpha=0.0)
 
     @torch.no_grad()
     def merge_into(self, local_params: Sequence[torch.Tensor], indices: Sequence[int], alpha: float) -> None:
@@ -80,11 +93,11 @@ class GlobalModel:
     def _transfer_key(local_params: Sequence[torch.Tensor], indices: Sequence[int]) -> tuple:
         return tuple(indices), local_params[indices[0]].device
 
-    def _transfer(self, local_params: Sequence[torch.Tensor], indices: Sequence[int]) -> FlatTransfer:
-        """The fragment's flat transfer, made at its first outer step and reused by every later one."""
+    def _transfer(self, local_params: Sequence[torch.Tensor], indices: Sequence[int]) -> Transfer:
+        """The fragment's transfer, made at its first use and reused by every later one."""
         key = self._transfer_key(local_params, indices)
         if key not in self._transfers:
-            self._transfers[key] = FlatTransfer([local_params[i] for i in indices])
+            self._transfers[key] = self._transfer_factory([local_params[i] for i in indices])
         return self._transfers[key]
 
     def momentum_buffers(self) -> list[torch.Tensor]:
