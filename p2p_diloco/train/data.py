@@ -487,15 +487,17 @@ class StreamedBatches(BatchStream):
                 generator = torch.Generator().manual_seed(derive_seed(self.order_seed, "pass", pass_index, block))
                 order = torch.randperm(len(docs), generator=generator).tolist()
                 while True:
-                    while len(tokens) >= cfg.seq_len:
-                        sequences.append(torch.tensor(tokens[: cfg.seq_len], dtype=torch.long))
-                        tokens = tokens[cfg.seq_len :]
+                    cut = 0  # tokens[:cut] are in sequences already (a long document is not copied per cut)
+                    while len(tokens) - cut >= cfg.seq_len:
+                        sequences.append(torch.tensor(tokens[cut : cut + cfg.seq_len], dtype=torch.long))
+                        cut += cfg.seq_len
                         if len(sequences) == self.batch_size:
                             batches_this_pass += 1
                             yield torch.stack(sequences), dict(
                                 start, pass_index=pass_index, block=block, block_start=block_start,
-                                consumed=consumed, tokens=list(tokens))
+                                consumed=consumed, tokens=tokens[cut:])
                             sequences = []
+                    tokens = tokens[cut:]
                     if consumed == len(docs):
                         break
                     doc = docs[order[consumed]]

@@ -366,12 +366,11 @@ class DiLoCoPeer:
         for done in range(count):
             if self._stopping():
                 return done
-            started = time.perf_counter()
             with self.clock.inner_step():
                 loss, n = self.inner.step()
                 faults.after_inner_step()
             self.contribution.add(loss, n)
-            self.samples_per_s.add(n, time.perf_counter() - started)
+            self.samples_per_s.add(n, self.clock.last_step_s)
             if self.display is not None:
                 self.display.step(loss, n * self.cfg.data.seq_len)
             self.status.update(inner_steps=self.inner.steps_done, samples_per_s=self.samples_per_s.rate(),

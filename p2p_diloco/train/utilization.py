@@ -25,6 +25,7 @@ class ComputeClock:
     """Inner seconds against wall seconds since the last :meth:`lap`."""
 
     def __init__(self):
+        self.last_step_s = 0.0  # the seconds of the latest inner step (for a throughput over recent steps)
         self.reset()
 
     def reset(self) -> None:
@@ -37,7 +38,8 @@ class ComputeClock:
         try:
             yield
         finally:
-            self._inner_s += time.perf_counter() - start
+            self.last_step_s = time.perf_counter() - start
+            self._inner_s += self.last_step_s
 
     def lap(self) -> dict:
         """The metrics since the last lap (or reset), then start counting anew."""
