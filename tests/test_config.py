@@ -126,3 +126,10 @@ def test_the_demo_manifest_names_the_peer_id_of_the_shipped_demo_bootstrap_key()
     key = REPO / "bootstrap" / "demo-bootstrap.key"
     (maddr,) = load_config(REPO / "peers" / "demo.toml").swarm.initial_peers
     assert maddr.endswith("/p2p/" + Identity.load_or_create(str(key)).peer_id)
+
+
+def test_config_names_exactly_the_codecs_that_exist():
+    from p2p_diloco.config import CODEC_NAMES
+    from p2p_diloco.sync.codecs import CODECS
+
+    assert CODEC_NAMES == tuple(CODECS)

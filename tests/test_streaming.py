@@ -6,7 +6,8 @@ import torch
 
 from p2p_diloco.config import ConfigError
 from p2p_diloco.metrics import MetricsWriter, read_metrics
-from p2p_diloco.train.fragments import FragmentError, FragmentSchedule, split_into_fragments
+from p2p_diloco.schedule import FragmentSchedule
+from p2p_diloco.train.fragments import FragmentError, split_into_fragments
 from p2p_diloco.train.model import build_model, trainable_parameters
 from tests.conftest import tiny_config
 from tests.inprocess import OracleWorker, fixed_batches, inprocess_peers, run_in_threads

@@ -36,6 +36,7 @@ import torch
 from hivemind import DHT
 
 from p2p_diloco.remote_input import warn_once
+from p2p_diloco.schedule import fragment_at
 from p2p_diloco.swarm.progress import READY, PeerProgress, agreed_sha256, read_progress
 from p2p_diloco.swarm.reachability import UNREACHABLE
 from p2p_diloco.swarm.records import AssistanceRequest, assistance_key, progress_key, signed_records
@@ -43,7 +44,6 @@ from p2p_diloco.sync.codecs import CODECS
 from p2p_diloco.sync.outer_sync import (
     SwarmAverager, averager_prefix, averager_timeouts, group_bits, round_timeout,
 )
-from p2p_diloco.train.fragments import fragment_at
 
 logger = logging.getLogger(__name__)
 
