@@ -38,6 +38,7 @@ import torch
 from p2p_diloco import faults
 from p2p_diloco.config import Config, settings_fingerprint
 from p2p_diloco.metrics import MetricsWriter
+from p2p_diloco.schedule import FragmentSchedule
 from p2p_diloco.swarm.liveness import answering
 from p2p_diloco.swarm.node import RunNode
 from p2p_diloco.swarm.progress import (
@@ -50,7 +51,7 @@ from p2p_diloco.sync.outer_sync import GroupMean, OuterSync, RoundFailed
 from p2p_diloco.sync.state_transfer import StateExpectation, download_global_state, nobody_serves
 from p2p_diloco.train.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.train.data import DataError, checkpointed_stream_state, order_seed
-from p2p_diloco.train.fragments import FragmentSchedule, model_fragments
+from p2p_diloco.train.fragments import model_fragments
 from p2p_diloco.train.inner import InnerTrainer
 from p2p_diloco.train.model import trainable_parameters
 from p2p_diloco.train.outer import GlobalModel
