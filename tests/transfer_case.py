@@ -6,7 +6,9 @@
 A tiny Llama with 2 Streaming DiLoCo fragments (arXiv 2501.18512) takes outer steps t = 0..3 on
 fragment t mod 2: random drift stands in for the inner steps, then Δ = θ_global − θ_local, the outer
 Nesterov step and the merge θ_local ← α·θ_local + (1 − α)·θ_global (DiLoCo, arXiv 2311.08105, Alg. 1
-lines 10-12). A plain-torch reference does the same with one copy per parameter; every Δ, the state's
+lines 10-12). A plain-torch reference does the same with one copy per parameter and the same
+arithmetic (:func:`~p2p_diloco.train.outer.nesterov_step_`, :func:`~p2p_diloco.train.transfer.merge_`:
+what is compared is the transfers, not the update); every Δ, the state's
 sha256 after each outer step and θ_local after each merge (and after copy_to, fragment by fragment
 and whole) must be the same bits.
 """
@@ -21,8 +23,8 @@ from p2p_diloco.config import OuterConfig
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.train.fragments import model_fragments
 from p2p_diloco.train.model import build_model, trainable_parameters
-from p2p_diloco.train.outer import GlobalModel, TransferFactory
-from p2p_diloco.train.transfer import FlatTransfer, transfer_for
+from p2p_diloco.train.outer import GlobalModel, TransferFactory, nesterov_step_
+from p2p_diloco.train.transfer import FlatTransfer, merge_, transfer_for
 from tests.conftest import tiny_config
 
 VOCAB = 300
@@ -35,29 +37,25 @@ TRANSFER_FACTORIES = {"flat": FlatTransfer, "default": transfer_for}
 
 
 class PerParameterReference:
-    """θ_global and its outer Nesterov SGD in plain torch, each parameter copied on its own."""
+    """θ_global and its outer Nesterov SGD in plain torch, each parameter copied on its own; the
+    arithmetic (the outer step, the merge) is GlobalModel's own, so only the transfers differ."""
 
     def __init__(self, local_params: Sequence[torch.Tensor], cfg: OuterConfig):
         self.params = [p.detach().to("cpu", torch.float32, copy=True) for p in local_params]
-        self.optimizer = torch.optim.SGD(self.params, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+        self.momentum = [torch.zeros_like(p) for p in self.params]
+        self.cfg = cfg
 
     def pseudo_gradient(self, local_params, indices) -> list[torch.Tensor]:
         return [self.params[i] - local_params[i].detach().to("cpu", torch.float32) for i in indices]
 
     def apply(self, mean_delta, indices) -> None:
         for i, delta in zip(indices, mean_delta):
-            self.params[i].grad = delta.clone()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            nesterov_step_(self.params[i], self.momentum[i], delta, self.cfg.lr, self.cfg.momentum)
 
     @torch.no_grad()
     def merge_into(self, local_params, indices, alpha: float) -> None:
         for i in indices:
-            value = self.params[i].to(local_params[i].device, local_params[i].dtype)
-            if alpha == 0:
-                local_params[i].copy_(value)
-            else:
-                local_params[i].mul_(alpha).add_(value, alpha=1 - alpha)
+            merge_(local_params[i], self.params[i].to(local_params[i].device, local_params[i].dtype), alpha)
 
     @torch.no_grad()
     def copy_to(self, local_params) -> None:
@@ -65,8 +63,7 @@ class PerParameterReference:
             local.copy_(value)
 
     def sha256(self) -> str:
-        momentum = [self.optimizer.state.get(p, {}).get("momentum_buffer", torch.zeros_like(p)) for p in self.params]
-        return tensors_sha256([*self.params, *momentum])
+        return tensors_sha256([*self.params, *self.momentum])
 
 
 def tiny_llama(device: str, dtype: torch.dtype):

@@ -8,9 +8,24 @@ outer step and its hash are the same on every peer. One outer step t does
     θ_global ← NesterovSGD(θ_global, Δ̄_t; outer lr, μ)    (line 12)
     θ_local  ← θ_global                                  (line 3 of the next round)
 
-The outer optimizer is torch's SGD with Nesterov momentum, exactly the update the paper uses. The
-global state is θ_global and that momentum: peers that hold the same θ_global but another momentum
-would part ways at the next step, so the state's sha256 covers both.
+The outer optimizer is SGD with Nesterov momentum, the update the paper uses (Alg. 1 line 12), in
+the form torch documents for ``torch.optim.SGD(nesterov=True)`` (after Sutskever et al. 2013, "On
+the importance of initialization and momentum in deep learning", ICML). With momentum μ, outer
+learning rate η and the mean pseudo-gradient g = Δ̄_t (:func:`nesterov_step_`):
+
+    b ← b·μ + g           (the momentum buffer, zeros before the first step)
+    d ← g + b·μ
+    θ_global ← θ_global − d·η
+
+It is written out by hand, one multiply or add per operation, rather than run by torch's SGD:
+θ_global must be the same bits on every peer, and torch's SGD computes ``param.add_(d, alpha=-η)``
+and ``g.add(b, alpha=μ)``, which ATen's AVX2 and AVX-512 kernels round once (a fused multiply-add)
+and its default kernel (a CPU without AVX2) twice. An elementwise multiply, add or subtract of two
+float32 tensors is rounded once, to nearest, by every kernel (IEEE 754), so each line above gives
+the same bits on every CPU; μ and η are rounded to float32 first, as torch rounds a Python scalar
+that multiplies a float32 tensor. The global state is θ_global and the momentum: peers that hold
+the same θ_global but another momentum would part ways at the next step, so the state's sha256
+covers both.
 
 θ_local moves to and from the CPU one fragment at a time, with the same values as copying each
 parameter (:mod:`p2p_diloco.train.transfer`): on CUDA as one flat page-locked buffer, one copy each
@@ -43,10 +58,9 @@ class GlobalModel:
         self.outer_step = 0
         self._transfer_factory = transfer_factory
         self._transfers: dict[tuple, Transfer] = {}  # (fragment's indices, device) -> its transfer (host buffer)
-        # torch's SGD refuses nesterov=True without momentum; with momentum 0 both updates coincide
-        self.optimizer = torch.optim.SGD(
-            self.params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0
-        )
+        self.lr = cfg.lr
+        self.momentum = cfg.momentum
+        self.momentum_buffer = [torch.zeros_like(p) for p in self.params]  # b of each parameter
 
     @torch.no_grad()
     def pseudo_gradient(self, local_params: Sequence[torch.Tensor], indices: Sequence[int]) -> list[torch.Tensor]:
@@ -56,13 +70,11 @@ class GlobalModel:
 
     @torch.no_grad()
     def apply(self, mean_pseudo_gradient: Sequence[torch.Tensor], indices: Sequence[int]) -> None:
-        """One outer Nesterov step with the group's mean pseudo-gradient of the parameters at `indices`
-        (Alg. 1 line 12). The others keep their values and their momentum: torch's SGD skips a
-        parameter without a gradient, so each Streaming DiLoCo fragment has its own outer state."""
+        """One outer Nesterov step (:func:`nesterov_step_`, Alg. 1 line 12) with the group's mean
+        pseudo-gradient of the parameters at `indices`. The others keep their values and their
+        momentum, so each Streaming DiLoCo fragment has its own outer state."""
         for i, delta in zip(indices, mean_pseudo_gradient):
-            self.params[i].grad = delta.to(torch.float32).clone()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            nesterov_step_(self.params[i], self.momentum_buffer[i], delta.to(torch.float32), self.lr, self.momentum)
         self.outer_step += 1
 
     @torch.no_grad()
@@ -102,11 +114,7 @@ class GlobalModel:
 
     def momentum_buffers(self) -> list[torch.Tensor]:
         """The outer momentum, zeros before the first step, in parameter order."""
-        buffers = []
-        for p in self.params:
-            buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
-            buffers.append(torch.zeros_like(p) if buf is None else buf)
-        return buffers
+        return list(self.momentum_buffer)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Everything a joining peer needs: θ_global then the outer momentum."""
@@ -121,10 +129,31 @@ class GlobalModel:
             if p.shape != t.shape:
                 raise ValueError(f"global state tensor of shape {tuple(t.shape)} where {tuple(p.shape)} was expected")
             p.copy_(t)
-        for p, t in zip(self.params, tensors[n:]):
-            self.optimizer.state[p]["momentum_buffer"] = t.to(torch.float32).clone()
+        for buffer, t in zip(self.momentum_buffer, tensors[n:]):
+            if buffer.shape != t.shape:
+                raise ValueError(f"momentum tensor of shape {tuple(t.shape)} where {tuple(buffer.shape)} was expected")
+            buffer.copy_(t)
         self.outer_step = outer_step
 
     def sha256(self) -> str:
         """sha256 of the global state's fp32 bytes: θ_global then the outer momentum, in parameter order."""
         return tensors_sha256(self.state_tensors())
+
+
+@torch.no_grad()
+def nesterov_step_(param: torch.Tensor, momentum_buffer: torch.Tensor, grad: torch.Tensor,
+                   lr: float, momentum: float) -> None:
+    """One SGD step with Nesterov momentum on fp32 CPU tensors, in place, each operation rounded once:
+
+        b ← b·μ + g,   d ← g + b·μ,   θ ← θ − d·η
+
+    (torch's documented Nesterov SGD without dampening or weight decay; Sutskever et al. 2013). With
+    μ = 0 it is plain SGD, θ ← θ − g·η, and b stays zero. No operation takes ``alpha``: ATen fuses
+    ``a + alpha·b`` into one FMA on some CPUs and not on others (see the module docstring).
+    """
+    if momentum == 0:
+        param.sub_(torch.mul(grad, lr))
+        return
+    momentum_buffer.mul_(momentum).add_(grad)
+    step = torch.mul(momentum_buffer, momentum).add_(grad)
+    param.sub_(step.mul_(lr))

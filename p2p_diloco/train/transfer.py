@@ -141,8 +141,14 @@ def split_flat(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.T
 
 
 def merge_(local: torch.Tensor, global_value: torch.Tensor, alpha: float) -> None:
-    """local ← α·local + (1 − α)·global in place (Streaming DiLoCo's merge, arXiv 2501.18512); α = 0 copies."""
+    """local ← α·local + (1 − α)·global in place (Streaming DiLoCo's merge, arXiv 2501.18512); α = 0 copies.
+
+    Two multiplies and one add, each rounded once to the local dtype, so the result is the same bits
+    on every CPU: ``add_(global, alpha=1 − α)`` would be one fused multiply-add on ATen's AVX2 and
+    AVX-512 kernels and two roundings on its default kernel. α and 1 − α are rounded to the
+    tensor's compute precision (float32) first, as torch does with a Python scalar.
+    """
     if alpha == 0:
         local.copy_(global_value)
     else:
-        local.mul_(alpha).add_(global_value, alpha=1 - alpha)
+        local.mul_(alpha).add_(torch.mul(global_value, 1 - alpha))
