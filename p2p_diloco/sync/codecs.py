@@ -65,6 +65,9 @@ class Codec(ABC):
     """One way to send a 1-D float32 part; ``encode`` and ``decode`` check their inputs first."""
 
     name: str
+    # values coded together from a part's start (one scale per block; 1: each value alone). A part that
+    # starts on this grid codes its values exactly as the whole tensor would (the all-reduce cuts on it)
+    blocksize: int = 1
 
     def encode(self, part: torch.Tensor) -> bytes:
         """The bytes of `part`: exactly ``encoded_size(part.numel())`` of them."""
