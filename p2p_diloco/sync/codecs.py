@@ -22,12 +22,16 @@ The block codecs carry one float32 scale (the block's absolute maximum) per bloc
 bound is absmax itself in a block whose absmax is a float32 subnormal, and the fp4-e3m0 bound has
 a margin for float32 rounding (see each class).
 
-**Decode is a pure function of the bytes.** It runs on the CPU, with no randomness and no state,
-from a fixed little-endian layout; the code maps of bitsandbytes are checked against a fingerprint,
-so a bitsandbytes release that changed them fails loudly instead of decoding differently. When the
-reducer of a part encodes the averaged part once and every peer, the reducer included, decodes the
-same bytes, every peer ends with a bit-identical θ_global. Encode need not be reproducible across
-machines (a CPU may flush subnormals when it converts to bf16); the bounds allow for that.
+**Decode is a pure function of the bytes, the same bits on every CPU.** It runs on the CPU, with no
+randomness and no state, from a fixed little-endian layout, and with operations whose result IEEE
+754 alone defines: the two-byte floats widen exactly to float32, and every block codec decodes a
+value as one table lookup times its block's scale, a single rounded float32 multiply
+(:func:`_scaled_lookup`), not with a C kernel that a CPU's instruction set may change. The code maps
+of bitsandbytes are checked against a fingerprint, so a bitsandbytes release that changed them fails
+loudly instead of decoding differently. When the reducer of a part encodes the averaged part once
+and every peer, the reducer included, decodes the same bytes, every peer ends with a bit-identical
+θ_global. Encode need not be reproducible across machines (a CPU may flush subnormals when it
+converts to bf16); the bounds allow for that.
 
 **Nothing received is trusted** (:mod:`p2p_diloco.remote_input`): ``decode`` checks the length of
 the bytes against :meth:`Codec.encoded_size` before it reads them, rejects block scales that are
@@ -207,6 +211,23 @@ def _scales_from_bytes(codec: str, data: bytes) -> torch.Tensor:
     return scales
 
 
+def _scaled_lookup(table: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """The decode of every block codec: ``table[code]·scale`` of the value's block, one float32 multiply
+    per value. A product of two float32 values is rounded once, to nearest, on every CPU (IEEE 754), so
+    the decoded part is the same bits on every peer, whatever kernels its CPU has (bitsandbytes' own
+    C decoders give the same bits on x86; the tests compare them)."""
+    return table[codes.long()] * _per_element(scales, blocksize, codes.numel())
+
+
+def _unpack_nibbles(codec: str, data: bytes, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `numel` 4-bit codes of a part (two per byte, the first in the high nibble; an odd numel's pad
+    code dropped) and its block scales, which follow the codes."""
+    packed_bytes = -(-numel // 2)
+    packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=packed_bytes).copy())
+    codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:numel]
+    return codes, _scales_from_bytes(codec, data[packed_bytes:])
+
+
 def _absmax_bound(part: torch.Tensor, blocksize: int, fraction_of_absmax: float) -> torch.Tensor:
     """``fraction·absmax`` of each value's block; ``absmax`` where absmax is subnormal (see below).
 
@@ -244,6 +265,16 @@ def _bnb_map(kind: str) -> torch.Tensor:
     return code
 
 
+@functools.cache
+def _bnb_4bit_decode_table(quant_type: str) -> torch.Tensor:
+    """The value of each 4-bit code as bitsandbytes' C decoder gives it: its map, except that FP4 code 8
+    (the sign bit over a zero magnitude) decodes to −0.0 where the map holds +0.0."""
+    table = _bnb_map(quant_type).clone()
+    if quant_type == "fp4":
+        table[8] = -0.0
+    return table
+
+
 @dataclass(frozen=True)
 class BlockwiseInt8Codec(Codec):
     """bitsandbytes' blockwise dynamic 8-bit quantization (Dettmers et al. 2022, arXiv 2110.02861).
@@ -276,12 +307,9 @@ class BlockwiseInt8Codec(Codec):
         return codes.numpy().tobytes() + state.absmax.float().numpy().astype("<f4", copy=False).tobytes()
 
     def _decode(self, data: bytes, numel: int) -> torch.Tensor:
-        functional = _bnb_functional()
         codes = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=numel).copy())
         absmax = _scales_from_bytes(self.name, data[numel:])
-        state = functional.QuantState(absmax=absmax, code=_bnb_map("dynamic"), blocksize=self.blocksize,
-                                      dtype=torch.float32)
-        return functional.dequantize_blockwise(codes, state).reshape(numel)
+        return _scaled_lookup(_bnb_map("dynamic"), codes, absmax, self.blocksize)
 
 
 @dataclass(frozen=True)
@@ -291,9 +319,9 @@ class Bnb4BitCodec(Codec):
     Each block of 64 values is divided by its absolute maximum and each value is rounded to the
     nearest of 16 map values (``torch.bucketize`` on the midpoints, in bitsandbytes 0.50 on the CPU).
     Two codes per byte, the first in the high nibble; then one float32 absmax per block. The map is
-    fixed by the quant type (checked against a fingerprint), so only absmax travels; decode rebuilds
-    bitsandbytes' ``QuantState`` from it, the quant type and ``numel``. Decode ignores the pad
-    code of an odd ``numel``.
+    fixed by the quant type (checked against a fingerprint), so only absmax travels; decode is the
+    map's value times absmax (:func:`_scaled_lookup`, what bitsandbytes' dequantize computes) and
+    ignores the pad code of an odd ``numel``.
 
     * NF4: the quantiles of a normal distribution. Largest gap 1 − 0.6962 (between −1 and −0.6962),
       so the bound is ``0.1520·absmax`` (half of it, 0.15190, plus margin).
@@ -323,17 +351,8 @@ class Bnb4BitCodec(Codec):
         return packed.numpy().tobytes() + state.absmax.float().numpy().astype("<f4", copy=False).tobytes()
 
     def _decode(self, data: bytes, numel: int) -> torch.Tensor:
-        functional = _bnb_functional()
-        packed_bytes = -(-numel // 2)
-        packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=packed_bytes).copy()).view(-1, 1)
-        absmax = _scales_from_bytes(self.name, data[packed_bytes:])
-        # bitsandbytes 0.50 decodes an odd numel with torch.compile, compiling anew for each new size
-        # (seconds of CPU each): decode the pad code too, with its C kernel, and drop it. An odd numel
-        # never ends a block exactly, so the extra value adds no block.
-        even_numel = numel + numel % 2
-        state = functional.QuantState(absmax=absmax, shape=torch.Size([even_numel]), code=_bnb_map(self.quant_type),
-                                      blocksize=self.blocksize, quant_type=self.quant_type, dtype=torch.float32)
-        return functional.dequantize_4bit(packed, state).reshape(even_numel)[:numel]  # the C kernel gives (1, n)
+        codes, absmax = _unpack_nibbles(self.name, data, numel)
+        return _scaled_lookup(_bnb_4bit_decode_table(self.quant_type), codes, absmax, self.blocksize)
 
 
 # E3M0 magnitudes of codes 0..7, and the midpoints between neighbours (rounding to nearest value)
@@ -388,11 +407,8 @@ class E3M0Codec(Codec):
         return packed.numpy().tobytes() + scales.numpy().astype("<f4", copy=False).tobytes()
 
     def _decode(self, data: bytes, numel: int) -> torch.Tensor:
-        packed_bytes = -(-numel // 2)
-        packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=packed_bytes).copy())
-        scales = _scales_from_bytes(self.name, data[packed_bytes:])
-        codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:numel]
-        return _E3M0_VALUES[codes.long()] * _per_element(scales, self.blocksize, numel)
+        codes, scales = _unpack_nibbles(self.name, data, numel)
+        return _scaled_lookup(_E3M0_VALUES, codes, scales, self.blocksize)
 
 
 CODECS: dict[str, Codec] = {

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from p2p_diloco.config import Config, ConfigError, ModelConfig
+from p2p_diloco.train.init_weights import UnsupportedInitialiser, seeded_initialisation
 
 # where model configs keep the longest sequence they can take, by architecture family
 POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -26,13 +27,17 @@ def check_sequence_length(model_config, seq_len: int, model_name: str) -> None:
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int, seq_len: int | None = None) -> PreTrainedModel:
-    """A freshly initialised model; the same (cfg, vocab_size, seed) gives bit-identical weights.
+    """A freshly initialised fp32 model; the same (cfg, vocab_size, seed) gives bit-identical weights on
+    every machine: the random initialisers the architecture calls draw from
+    :func:`~p2p_diloco.train.init_weights.seeded_initialisation`, not from torch's CPU kernels.
 
     ``cfg.name == "llama"`` builds a Llama-architecture model from the sizes in the config; any other
     name is looked up with ``AutoConfig`` (hub or local path) and initialised from scratch, and
     `seq_len`, when given, is checked against that model's own position limit. A hub model embeds
     `vocab_size` tokens, whatever its own tokenizer has (:func:`fit_vocabulary`): it is trained from
-    scratch on the run's tokenizer. :func:`check_vocabulary_fits` tells whether it does.
+    scratch on the run's tokenizer. :func:`check_vocabulary_fits` tells whether it does. The weights
+    are fp32 whatever dtype a hub config names (``torch_dtype = "bfloat16"``, say): the inner loop
+    casts under autocast, and θ_global is fp32.
     """
     if cfg.name == "llama":
         model_config = LlamaConfig(
@@ -51,9 +56,22 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int, seq_len: int | Non
         if seq_len is not None:
             check_sequence_length(model_config, seq_len, cfg.name)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(model_config, attn_implementation="eager")
+        torch.manual_seed(seed)  # for whatever else draws from torch's generator while the model is made
+        try:
+            with seeded_initialisation(seed):
+                model = AutoModelForCausalLM.from_config(model_config, attn_implementation="eager",
+                                                         dtype=torch.float32)
+        except UnsupportedInitialiser as e:
+            raise ConfigError(f"config: model {cfg.name!r} cannot be trained here: {e}") from None
+    check_fp32(model, cfg.name)
     return model
+
+
+def check_fp32(model: torch.nn.Module, model_name: str) -> None:
+    """RuntimeError unless every floating-point parameter of `model` is fp32."""
+    other = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
+    if other:
+        raise RuntimeError(f"model {model_name!r} was built with {', '.join(other)} parameters; fp32 was asked for")
 
 
 SPECIAL_TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
