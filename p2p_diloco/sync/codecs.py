@@ -64,6 +64,35 @@ _BNB_MAP_SHA256 = {
 }
 
 
+# bitsandbytes 0.50's signed dynamic 8-bit map, ``create_dynamic_map(signed=True)``, as little-endian float32,
+# 12 values a line. bitsandbytes computes it with torch.linspace, whose bits depend on ATen's CPU kernel (these
+# are the AVX2 and AVX-512 kernels' values; the default kernel's differ), so the wire format keeps the values.
+_DYNAMIC_MAP_HEX = (
+    "33337ebf9a997abf000077bf666673bfcdcc6fbf33336cbf9a9968bf000065bf666661bfcdcc5dbf33335abf9a9956bf"
+    "000053bf66664fbfcdcc4bbf333348bf9a9944bf000041bf66663dbfcdcc39bf343336bf9a9932bf00002fbf66662bbf"
+    "cdcc27bf343324bf9a9920bf00001dbf666619bfcdcc15bf343312bf9a990ebf00000bbf666607bfcccc03bf333300bf"
+    "3233f9be0000f2becccceabe9a99e3be6666dcbe3333d5be0000cebeccccc6be9a99bfbe6666b8be3333b1be0000aabe"
+    "cccca2be9a999bbe666694be34338dbe000086be99997dbe33336fbecdcc60be666652be000044be9a9935be333327be"
+    "cdcc18be66660abe0000f8bd3433dbbd85ebc9bdf728c4bd6766bebdd7a3b8bd48e1b2bdb81eadbd2a5ca7bd9a99a1bd"
+    "0ad79bbd7b1496bdeb5190bd5d8f8abdcdcc84bd7b147ebd5d8f72bd3d0a67bd1f855bbd000050bde17a44bdc3f538bd"
+    "a3702dbd85eb21bd676616bd48e10abd52b8febc15aee7bcd7a3d0bc9a99b9bc5d8fa2bc1f858bbcc3f568bc48e13abc"
+    "643b1fbc180416bccdcc0cbc819503bc6abcf4bbd34de2bb3bdfcfbba470bdbb0d02abbb749398bbdd2486bb8a6c67bb"
+    "5c8f42bb2db21dbbfca9f1ba9defa7baff6577ba3ee859ba806a3cbac1ec1eba016f01ba83e2c7b905e78cb90bd723b9"
+    "4b1fbab8b3ef8ab8348037b80642b2b7ff0502b7941a5ab6b7a313b500000000b7a31335941a5a36ff0502370642b237"
+    "34803738b3ef8a384b1fba380bd7233905e78c3983e2c739016f013ac1ec1e3a806a3c3a3ee8593aff65773a9defa73a"
+    "fca9f13a2db21d3b5c8f423b8a6c673bdd24863b7493983b0d02ab3ba470bd3b3bdfcf3bd34de23b6abcf43b8195033c"
+    "cdcc0c3c1804163c643b1f3c48e13a3cc3f5683c1f858b3c5d8fa23c9a99b93cd7a3d03c15aee73c52b8fe3c48e10a3d"
+    "6766163d85eb213da3702d3dc3f5383de17a443d0000503d1f855b3d3d0a673d5d8f723d7b147e3dcdcc843d5d8f8a3d"
+    "eb51903d7b14963d0ad79b3d9a99a13d2a5ca73db81ead3d48e1b23dd7a3b83d6766be3df728c43d85ebc93d3433db3d"
+    "0000f83d66660a3ecdcc183e3333273e9a99353e0000443e6666523ecdcc603e33336f3e99997d3e0000863e34338d3e"
+    "6666943e9a999b3ecccca23e0000aa3e3333b13e6666b83e9a99bf3eccccc63e0000ce3e3333d53e6666dc3e9a99e33e"
+    "ccccea3e0000f23e3233f93e3333003fcccc033f6666073f00000b3f9a990e3f3433123fcdcc153f6666193f00001d3f"
+    "9a99203f3433243fcdcc273f66662b3f00002f3f9a99323f3433363fcdcc393f66663d3f0000413f9a99443f3333483f"
+    "cdcc4b3f66664f3f0000533f9a99563f33335a3fcdcc5d3f6666613f0000653f9a99683f33336c3fcdcc6f3f6666733f"
+    "0000773f9a997a3f33337e3f0000803f"
+)
+
+
 @dataclass(frozen=True)
 class Codec(ABC):
     """One way to send a 1-D float32 part; ``encode`` and ``decode`` check their inputs first."""
@@ -248,13 +277,15 @@ def _bnb_functional():
 
 @functools.cache
 def _bnb_map(kind: str) -> torch.Tensor:
-    """bitsandbytes' code map `kind` (dynamic, nf4, fp4), as float32 on the CPU, checked against the wire format."""
-    functional = _bnb_functional()
+    """bitsandbytes' code map `kind` (dynamic, nf4, fp4), as float32 on the CPU, checked against the wire format.
+
+    The dynamic map is the wire format's own copy (:data:`_DYNAMIC_MAP_HEX`); the 4-bit maps come from
+    bitsandbytes, which divides constants by their largest (one IEEE division each, the same on every CPU)."""
     if kind == "dynamic":
-        code = functional.create_dynamic_map(signed=True)
+        code = torch.from_numpy(np.frombuffer(bytes.fromhex("".join(_DYNAMIC_MAP_HEX)), dtype="<f4").copy())
     else:
-        code = functional.get_4bit_type(kind, device="cpu")
-    code = code.to(device="cpu", dtype=torch.float32).contiguous()
+        code = _bnb_functional().get_4bit_type(kind, device="cpu").to(device="cpu", dtype=torch.float32)
+    code = code.contiguous()
     digest = hashlib.sha256(code.numpy().astype("<f4").tobytes()).hexdigest()
     if digest != _BNB_MAP_SHA256[kind]:
         import bitsandbytes
