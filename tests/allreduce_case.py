@@ -1,11 +1,17 @@
-"""One real all-reduce among a few peers, in a process of its own (tests/test_exact_allreduce.py).
+"""Real all-reduce rounds among a few peers, in a process of its own (tests/test_exact_allreduce.py).
 
     python -m tests.allreduce_case CODEC CASE_DIR
 
-reads ``CASE_DIR/inputs.pt`` (``{"inputs": one list of tensors per peer, "samples": one int per peer}``),
-starts one DHT node and one :class:`OuterSync` in `CODEC` per peer on 127.0.0.1, averages once, and
-writes ``CASE_DIR/result.pt``: each peer's mean (or the error it raised), group size and samples, and
-the bytes its averager sent and received. It prints the same, less the tensors, as one JSON line.
+reads ``CASE_DIR/inputs.pt``: ``{"rounds": [{"inputs": one list of tensors per peer, "starts": the
+θ_global sha256 each peer names}, ...], "samples": one int per peer, "error_feedback": bool}``. It
+starts one DHT node and one :class:`OuterSync` in `CODEC` per peer on 127.0.0.1 and averages once per
+round, as the training loop does: a round that fails leaves its Δ owed to the next one, and with
+error feedback each peer sends Δ + e and commits what the group counted of it
+(:class:`~p2p_diloco.train.error_feedback.ErrorFeedback`). Peers that name different starts all fail
+their round after the all-reduce. It writes ``CASE_DIR/result.pt``: per round, each peer's mean (or
+the error it raised), group size and samples, what it sent and what the group counted of it; each
+peer's final residual; the bytes each averager sent and received. It prints the same, less the
+tensors, as one JSON line.
 
 The test asserts on the result; this process only averages. Each case runs here rather than in the
 pytest process because every case forks a DHT and an averager process per peer, and after several
@@ -28,7 +34,8 @@ from p2p_diloco import process_tree
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.swarm.node import start_run_node, visible_maddrs
-from p2p_diloco.sync.outer_sync import OuterSync
+from p2p_diloco.sync.outer_sync import OuterSync, RoundFailed
+from p2p_diloco.train.error_feedback import ErrorFeedback
 
 # about the timeouts of the tests' tiny run (tests/conftest.py): one round is over, or failed, within ~80 s
 CFG = SwarmConfig(matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30.0, next_chunk_timeout=10.0,
@@ -37,34 +44,23 @@ ROUND_WAIT_S = 100.0
 START = "5" * 64  # the sha256 of the global state every peer starts from
 
 
-def average_once(codec: str, inputs: list[list[torch.Tensor]], samples: list[int]) -> dict:
-    shapes = [t.shape for t in inputs[0]]
+def average_rounds(codec: str, rounds: list[dict], samples: list[int], error_feedback: bool = False) -> dict:
+    shapes = [t.shape for t in rounds[0]["inputs"][0]]
+    indices = list(range(len(shapes)))
     dhts, syncs = [], []
-    peers = len(inputs)
-    results: list = [None] * peers
-    errors: list = [None] * peers
+    peers = len(samples)
+    feedback = [ErrorFeedback(shapes) if error_feedback else None for _ in range(peers)]
+    owed: list = [None] * peers  # each peer's Δ of rounds that applied nothing: it stays in θ_local
+    outcomes = []
     try:
         for _ in range(peers):
             first = visible_maddrs(dhts[0]) if dhts else ()
             node = start_run_node("exact", "127.0.0.1", 0, initial_peers=first)
             dhts.append(node.dht)
             syncs.append(OuterSync(node.dht, "exact", "f" * 64, node.identity.record_subkey, shapes, CFG,
-                                   state_provider=lambda: ({}, []), codec=codec))
-
-        def average(i: int) -> None:
-            try:
-                results[i] = syncs[i].average(inputs[i], samples[i], outer_step=0, global_sha256=START)
-            except Exception as e:  # reported to the test
-                errors[i] = repr(e)
-
-        threads = [threading.Thread(target=average, args=(i,), daemon=True) for i in range(peers)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + ROUND_WAIT_S
-        for i, t in enumerate(threads):
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                errors[i] = f"no result within {ROUND_WAIT_S} s"
+                                   state_provider=lambda: ({}, []), codec=codec, record_sent=error_feedback))
+        for step, round_ in enumerate(rounds):
+            outcomes.append(average_round(syncs, feedback, owed, indices, round_, samples, step))
         traffic = [(s.averager.traffic.sent, s.averager.traffic.received) for s in syncs]
     finally:
         # the DHT and averager processes, p2pd, torch's shared-memory manager
@@ -78,11 +74,8 @@ def average_once(codec: str, inputs: list[list[torch.Tensor]], samples: list[int
     return {
         "codec": codec,
         "peers": peers,
-        "means": [r.mean if r is not None else None for r in results],
-        "mean_sha256": [tensors_sha256(r.mean) if r is not None else None for r in results],
-        "group_size": [r.group_size if r is not None else None for r in results],
-        "group_samples": [r.group_samples if r is not None else None for r in results],
-        "errors": errors,
+        "rounds": outcomes,
+        "residuals": [ef.residual if ef is not None else None for ef in feedback],
         "sent": [sent for sent, _ in traffic],
         "received": [received for _, received in traffic],
         # [pid, start time]: a PID alone may be a new process's by the time the test looks
@@ -90,14 +83,67 @@ def average_once(codec: str, inputs: list[list[torch.Tensor]], samples: list[int
     }
 
 
+def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: list[int], round_: dict,
+                  samples: list[int], step: int) -> dict:
+    """One round toward outer step `step` + 1, each peer in a thread of its own, as the training loop runs it."""
+    peers = len(syncs)
+    results: list = [None] * peers
+    errors: list = [None] * peers
+    to_send: list = [None] * peers
+
+    def average(i: int) -> None:
+        delta = round_["inputs"][i]
+        if owed[i] is not None:
+            delta = [d + o for d, o in zip(delta, owed[i])]
+        ef = feedback[i]
+        to_send[i] = ef.compensate(indices, delta) if ef is not None else delta
+        try:
+            results[i] = syncs[i].average(to_send[i], samples[i], outer_step=step, global_sha256=round_["starts"][i],
+                                          report_sent=ef is not None)
+        except RoundFailed as e:  # reported to the test; the Δ stays owed
+            owed[i], errors[i] = delta, repr(e)
+            return
+        except Exception as e:
+            errors[i] = repr(e)
+            return
+        owed[i] = None
+        if ef is not None:
+            ef.commit(indices, to_send[i], results[i].sent)
+
+    threads = [threading.Thread(target=average, args=(i,), daemon=True) for i in range(peers)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + ROUND_WAIT_S
+    for i, t in enumerate(threads):
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            raise TimeoutError(f"peer {i}: no result within {ROUND_WAIT_S} s in round {step}")
+    return {
+        "means": [r.mean if r is not None else None for r in results],
+        "mean_sha256": [tensors_sha256(r.mean) if r is not None else None for r in results],
+        "group_size": [r.group_size if r is not None else None for r in results],
+        "group_samples": [r.group_samples if r is not None else None for r in results],
+        "errors": errors,
+        "to_send": to_send,
+        "counted": [r.sent if r is not None else None for r in results],
+    }
+
+
+def summary(result: dict) -> dict:
+    """`result` less its tensors, for the JSON line."""
+    tensors = ("means", "to_send", "counted")
+    return {**{k: v for k, v in result.items() if k not in ("rounds", "residuals")},
+            "rounds": [{k: v for k, v in r.items() if k not in tensors} for r in result["rounds"]]}
+
+
 def main() -> None:
     codec, case_dir = sys.argv[1], Path(sys.argv[2])
     # killed (on timeout), this process takes its DHT, averager and p2pd processes with it
     process_tree.children_exit_with_this_process()
     case = torch.load(case_dir / "inputs.pt")
-    result = average_once(codec, case["inputs"], case["samples"])
+    result = average_rounds(codec, case["rounds"], case["samples"], case.get("error_feedback", False))
     torch.save(result, case_dir / "result.pt")
-    print(json.dumps({key: value for key, value in result.items() if key != "means"}), flush=True)
+    print(json.dumps(summary(result)), flush=True)
 
 
 if __name__ == "__main__":

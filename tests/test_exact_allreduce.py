@@ -1,24 +1,33 @@
 """The all-reduce result is the sample-weighted mean and bit-identical on every peer of the group,
-exact without a codec and within the codec's stated bound with one."""
+exact without a codec and within the codec's stated bound with one. Its parts start on the codec's
+block grid; each reducer's mean is the same bits whatever order its senders arrive in and whatever
+the CPU's kernel; and each peer learns what the group counted of its input (for error feedback)."""
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, TensorPartContainer, TensorPartReducer
 
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.process_tree import command_name, is_running, kill_tree, start_ticks, wait_gone
 from p2p_diloco.sync.codecs import CODECS, bytes_per_parameter
+from p2p_diloco.sync.exact_allreduce import (
+    CodecCompression, SenderOrderReducer, part_container_settings, weighted_mean,
+)
+from tests.allreduce_case import START
 from tests.conftest import REPO
-
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
 CASE_TIMEOUT_S = 150  # start-up, one round (tests/allreduce_case.py bounds it at 100 s) and shutdown
 SHAPES = [torch.Size([300, 77]), torch.Size([1001]), torch.Size([3, 5, 7])]
+# with a tensor of more than one part (the 4-bit codecs cut 932,032 values, int8 516,096)
+LARGE_SHAPES = [torch.Size([2_000_003]), torch.Size([300, 77]), torch.Size([1001])]
 
 
 def largest_bound(codec, tensor: torch.Tensor) -> float:
@@ -38,19 +47,19 @@ def still_running(processes: list[list[int]], timeout_s: float) -> list[int]:
         time.sleep(0.1)
 
 
-def run_case(codec: str, inputs: list[list[torch.Tensor]], samples: list[int], case_dir) -> dict:
-    """One all-reduce among len(inputs) peers in a process of its own (tests/allreduce_case.py): every
-    case forks a DHT and an averager process per peer, and after several cases forked from the pytest
-    process a DHT start-up hung (1 CI run in 6). That process, and every process below it, is killed
-    if it has not finished in time; whatever it started must be gone once it has."""
-    torch.save({"inputs": inputs, "samples": samples}, case_dir / "inputs.pt")
+def run_case(codec: str, case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S) -> dict:
+    """All-reduce rounds among a few peers in a process of its own (tests/allreduce_case.py, which
+    describes `case`): every case forks a DHT and an averager process per peer, and after several
+    cases forked from the pytest process a DHT start-up hung (1 CI run in 6). That process, and every
+    process below it, is killed if it has not finished in time; whatever it started must be gone once it has."""
+    torch.save(case, case_dir / "inputs.pt")
     log_path = case_dir / "allreduce_case.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tests.allreduce_case", codec, str(case_dir)],
                                 stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO,
                                 env={**os.environ, "PYTHONPATH": str(REPO)})
         try:
-            stdout, _ = proc.communicate(timeout=CASE_TIMEOUT_S)
+            stdout, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             stdout = None
         finally:  # a timeout here, or pytest-timeout's, or Ctrl+C: the whole tree goes
@@ -60,10 +69,11 @@ def run_case(codec: str, inputs: list[list[torch.Tensor]], samples: list[int], c
                 for pid in wait_gone(below, 10):  # each watches its parent and stops by itself; if not:
                     kill_tree(pid)
     log_tail = log_path.read_text()[-4000:]
-    assert stdout is not None, f"{codec}: no result within {CASE_TIMEOUT_S} s; log:\n{log_tail}"
+    assert stdout is not None, f"{codec}: no result within {timeout_s} s; log:\n{log_tail}"
     assert proc.returncode == 0, f"{codec}: exited with {proc.returncode}; log:\n{log_tail}"
     result = torch.load(case_dir / "result.pt")
-    assert json.loads(stdout.strip().splitlines()[-1])["mean_sha256"] == result["mean_sha256"]
+    printed = json.loads(stdout.strip().splitlines()[-1])["rounds"]
+    assert [r["mean_sha256"] for r in printed] == [r["mean_sha256"] for r in result["rounds"]]
     # its DHT, averager and p2pd processes are gone (torch's shm manager within seconds, by itself)
     left = still_running(result["children"], timeout_s=10)
     for pid in left:
@@ -72,13 +82,16 @@ def run_case(codec: str, inputs: list[list[torch.Tensor]], samples: list[int], c
     return result
 
 
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("codec", list(CODECS))
 def test_weighted_mean_is_bit_identical_on_all_peers(codec, tmp_path):
     peers = 3
     generator = torch.Generator().manual_seed(0)
     inputs = [[torch.randn(s, generator=generator) * 1e-2 for s in SHAPES] for _ in range(peers)]
     samples = [16, 48, 160]
-    result = run_case(codec, inputs, samples, tmp_path)
+    case = run_case(codec, {"rounds": [{"inputs": inputs, "starts": [START] * peers}], "samples": samples}, tmp_path)
+    result = {**case, **case["rounds"][0]}
 
     assert result["errors"] == [None] * peers, result["errors"]
     assert result["mean_sha256"][0] is not None
@@ -101,3 +114,147 @@ def test_weighted_mean_is_bit_identical_on_all_peers(codec, tmp_path):
     numel = sum(shape.numel() for shape in SHAPES)
     sent_per_value = sum(result["sent"]) / (peers * 2 * (peers - 1) / peers * numel)
     assert sent_per_value == pytest.approx(bytes_per_parameter(codec), rel=0.15), codec
+
+
+def part_starts(container: TensorPartContainer) -> list[int]:
+    """Where each part of the container starts, in values from its tensor's start (parts are views)."""
+    return [part.storage_offset() for parts in container._input_parts_by_peer for part, _ in parts]
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_parts_start_on_the_codec_block_grid(codec):
+    """hivemind's TensorPartContainer, as the runner builds it: every part starts on the codec's block grid
+    (hivemind alone cuts the 4-bit codecs' parts at 932,067 values), and is as large as the grid allows."""
+    tensors = [torch.zeros(s) for s in LARGE_SHAPES]
+    container = TensorPartContainer(tensors, [1.0, 1.0, 1.0], **part_container_settings(CODECS[codec]))
+    starts = part_starts(container)
+    blocksize = CODECS[codec].blocksize
+    assert container.num_parts_by_tensor[0] > 1 and all(start % blocksize == 0 for start in starts), starts
+    hivemind = TensorPartContainer(tensors, [1.0, 1.0, 1.0], compression=CodecCompression(CODECS[codec]))
+    hivemind_part = part_starts(hivemind)[1]
+    assert hivemind_part - blocksize < starts[1] <= hivemind_part
+    if blocksize > 1:
+        assert not all(start % blocksize == 0 for start in part_starts(hivemind))
+    container.finalize(), hivemind.finalize()
+
+
+def reduce_parts(reducer_type, parts: list[list[torch.Tensor]], weights: list[float], order: list[int]):
+    """Each part's mean from a reducer of `reducer_type`, the senders' parts registered in `order`."""
+    async def run():
+        reducer = reducer_type([part.shape for part in parts[0]], len(parts))
+        means = []
+        for k in range(len(parts[0])):
+            tasks = [asyncio.create_task(reducer.accumulate_part(s, k, parts[s][k], weight=weights[s])) for s in order]
+            results = await asyncio.gather(*tasks)  # tasks start, and register their part, in creation order
+            assert all(r is results[0] for r in results)
+            means.append(results[0].clone())
+        reducer.finalize()
+        return means
+
+    return asyncio.run(run())
+
+
+def reducer_inputs(senders: int = 4) -> tuple[list[list[torch.Tensor]], list[float]]:
+    """Parts of several scales, the same bits on every CPU (torch.randn is not: its kernel is vectorized)."""
+    generator = np.random.default_rng(1)
+    parts = [[torch.from_numpy((generator.standard_normal(n) * 10.0 ** -s).astype(np.float32)) for n in (1000, 64, 333)]
+             for s in range(senders)]
+    return parts, [16.0, 48.0, 160.0, 3.0][:senders]
+
+
+def test_reducer_mean_is_the_same_bits_whatever_order_the_senders_arrive_in():
+    parts, weights = reducer_inputs()
+    first, second = [0, 1, 2, 3], [3, 1, 0, 2]
+    ours = [reduce_parts(SenderOrderReducer, parts, weights, order) for order in (first, second)]
+    for a, b, k in zip(*ours, range(3)):
+        assert tensors_sha256([a]) == tensors_sha256([b])
+        assert torch.equal(a, weighted_mean([p[k] for p in parts], weights))
+    hivemind = [reduce_parts(TensorPartReducer, parts, weights, order) for order in (first, second)]
+    assert tensors_sha256(hivemind[0]) != tensors_sha256(hivemind[1])  # what the reducer replaced
+    # and it is the weighted mean, up to float32 rounding
+    for mean, k in zip(ours[0], range(3)):
+        exact = sum(w * p[k].double() for w, p in zip(weights, parts)) / sum(weights)
+        assert torch.allclose(mean.double(), exact, rtol=1e-6, atol=1e-7)  # the terms are below 1
+
+
+REDUCER_HASH = """
+import sys
+sys.path.insert(0, {repo!r})
+import torch
+from hivemind.averaging.partition import TensorPartReducer
+from tests.test_exact_allreduce import reduce_parts, reducer_inputs
+from p2p_diloco.hashing import tensors_sha256
+from p2p_diloco.sync.exact_allreduce import SenderOrderReducer
+parts, weights = reducer_inputs()
+for reducer in (SenderOrderReducer, TensorPartReducer):
+    print(reducer.__name__, tensors_sha256(reduce_parts(reducer, parts, weights, [0, 1, 2, 3])))
+print(torch.backends.cpu.get_cpu_capability())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_reducer_mean_is_the_same_bits_on_every_cpu_kernel():
+    """ATen picks a kernel for the CPU (AVX-512, AVX2, or default where neither is available, as on an
+    old x86 or under ATEN_CPU_CAPABILITY=default); the reducer's mean must not depend on it."""
+    outputs = {}
+    for capability in (None, "default"):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if capability is not None:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        run = subprocess.run([sys.executable, "-c", REDUCER_HASH.format(repo=str(REPO))], env=env, cwd=REPO,
+                             capture_output=True, text=True, timeout=100)
+        assert run.returncode == 0, run.stderr[-3000:]
+        *hashes, kernel = run.stdout.split("\n")[:3]
+        outputs[capability] = dict(line.split() for line in hashes), kernel
+    (best, best_kernel), (default, default_kernel) = outputs[None], outputs["default"]
+    assert default_kernel == "DEFAULT"
+    assert best["SenderOrderReducer"] == default["SenderOrderReducer"]
+    if best_kernel != "DEFAULT":  # hivemind's running sum: a fused multiply-add on AVX2 and AVX-512 only
+        assert best["TensorPartReducer"] != default["TensorPartReducer"], best_kernel
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("codec", ["fp4-e3m0", "int8"])
+def test_error_feedback_counts_what_really_left(codec, tmp_path):
+    """Three peers with error feedback, three rounds through the real all-reduce, the second void for
+    everyone (one peer names another θ_global). Each agreed round reports, for each peer, what the
+    group counted of its Δ + e: on each part (cut as the runner cuts it) the codec's round trip of what
+    it sent, or, on the one peer that reduced that part, the part itself. And nothing is lost:
+    Σ counted + e_T = Σ Δ, the void round's Δ included (it stays in θ_local and goes into the next)."""
+    peers, samples = 3, [16, 48, 160]
+    generator = torch.Generator().manual_seed(0)
+    rounds = [{"inputs": [[torch.randn(s, generator=generator) * 1e-2 for s in LARGE_SHAPES] for _ in range(peers)],
+               "starts": [START] * peers} for _ in range(3)]
+    rounds[1]["starts"][0] = "6" * 64
+    result = run_case(codec, {"rounds": rounds, "samples": samples, "error_feedback": True}, tmp_path,
+                      timeout_s=400)
+    agreed, void, last = result["rounds"]
+    assert agreed["errors"] == last["errors"] == [None] * peers, (agreed["errors"], last["errors"])
+    assert all("different global states" in e for e in void["errors"]), void["errors"]
+
+    codec_ = CODECS[codec]
+    for round_ in (agreed, last):
+        containers = [TensorPartContainer(sent, [1.0], **part_container_settings(codec_)) for sent in round_["to_send"]]
+        counted = [TensorPartContainer(c, [1.0], **part_container_settings(codec_)) for c in round_["counted"]]
+        layout = [[part for part, _ in c._input_parts_by_peer[0]] for c in containers]
+        counted_parts = [[part for part, _ in c._input_parts_by_peer[0]] for c in counted]
+        for k in range(len(layout[0])):
+            reduced_here = 0
+            for peer in range(peers):
+                sent, got = layout[peer][k], counted_parts[peer][k]
+                if torch.equal(got, sent):
+                    reduced_here += 1
+                else:
+                    roundtrip = codec_.decode(codec_.encode(sent.contiguous()), sent.numel())
+                    assert torch.equal(got, roundtrip), (codec, k, peer)
+            assert reduced_here == 1, (codec, k, reduced_here)  # one reducer per part, and it lost nothing
+        for c in containers + counted:
+            c.finalize()
+
+    for peer in range(peers):
+        for j in range(len(LARGE_SHAPES)):
+            deltas = sum(r["inputs"][peer][j].double() for r in rounds)
+            counted = sum(r["counted"][peer][j].double() for r in (agreed, last))
+            lost = (deltas - counted - result["residuals"][peer][j].double()).abs().max().item()
+            assert lost <= 1e-8, (codec, peer, j, lost)

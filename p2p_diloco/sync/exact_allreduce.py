@@ -25,6 +25,21 @@ once, and every peer, the reducer included, decodes those same bytes. Decoding i
 of the bytes, so the result is identical on every peer with any codec. A reducer's own input part
 never travels and is summed as it is.
 
+**Parts on the codec's grid.** hivemind cuts each tensor into parts of
+``int(part_size_bytes / bytes_per_value)`` values (932,067 for the 4-bit codecs), and a part that
+starts off the codec's block grid is coded in other blocks than the whole tensor. The runner passes
+a part size rounded down to a multiple of :attr:`Codec.blocksize <p2p_diloco.sync.codecs.Codec.blocksize>`
+(:func:`part_container_settings`), so every part starts on the grid.
+
+**Reducers' sums.** Each reducer's mean is :func:`weighted_mean` of the senders' parts in sender
+order, each multiply and add rounded once (:class:`SenderOrderReducer`): the same bits whichever
+sender arrives first and whatever kernel the CPU picks.
+
+**What the group counted.** For error feedback (Seide et al. 2014; Karimireddy et al. 2019) a peer
+must know what the group counted of its input: for each part sent to another reducer, the decoded
+bytes it sent; for each part it reduced itself, the part itself. With ``record_sent`` the runner
+writes these into shared-memory buffers (:attr:`ExactMeanAverager.sent`) as the parts go.
+
 A round in which a reducer failed is partial: its parts keep each peer's own input (hivemind only
 logs a warning and reports success). Here that raises :class:`PartialRoundError`, so the caller
 knows the tensors it holds are not the group's mean.
@@ -51,11 +66,13 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.averaging.partition import (
+    DEFAULT_PART_SIZE_BYTES, AllreduceException, BannedException, TensorPartReducer,
+)
 from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import anext, as_aiter, attach_event_on_finished, azip
+from hivemind.utils.asyncio import aenumerate, anext, as_aiter, attach_event_on_finished, azip
 
 from p2p_diloco import faults
 from p2p_diloco.sync.codecs import Codec, get_codec
@@ -117,6 +134,89 @@ class CodecCompression(CompressionBase):
         return f"CodecCompression({self.codec.name})"
 
 
+def part_container_settings(codec: Codec, part_size_bytes: float = DEFAULT_PART_SIZE_BYTES) -> dict:
+    """What the runner passes hivemind's TensorPartContainer: the codec, and a part size in bytes such
+    that every part of every tensor starts on the codec's block grid (see the module's docstring).
+
+    hivemind cuts ``int(part_size_bytes / bytes_per_value)`` values per part; the size is rounded down
+    to a multiple of ``codec.blocksize`` (at least one block), and half a value is added so that
+    hivemind's float division lands inside that count whatever its rounding.
+    """
+    compression = CodecCompression(codec)
+    bytes_per_value = 4 * compression.estimate_compression_ratio(None)  # hivemind's: float32 parts
+    values = max(int(part_size_bytes / bytes_per_value) // codec.blocksize, 1) * codec.blocksize
+    return dict(compression=compression, part_size_bytes=(values + 0.5) * bytes_per_value)
+
+
+def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``Σᵢ wᵢ·xᵢ / Σᵢ wᵢ`` over the senders' parts in the order given, in float32, defined by IEEE
+    arithmetic alone: each product, each partial sum and the quotient rounded once.
+
+    torch's ``add_(x, alpha=w)`` is not: ATen's AVX2/AVX-512 kernels fuse it into one multiply-add
+    (one rounding), its default kernel rounds twice, so reducers on different CPUs would return
+    different bits. A plain ``add_`` rounds ``a + b`` once in every kernel. The weights (sample
+    counts, exact in float32 below 2^24) are summed in Python's float64, in the same order.
+    """
+    if not parts or len(parts) != len(weights):
+        raise ValueError(f"weighted_mean of {len(parts)} parts with {len(weights)} weights")
+    total = torch.zeros_like(parts[0], dtype=torch.float32)
+    product = torch.empty_like(total)
+    for part, weight in zip(parts, weights):
+        torch.mul(part, weight, out=product)
+        total.add_(product)
+    return total.div_(sum(weights))
+
+
+class SenderOrderReducer(TensorPartReducer):
+    """hivemind's reducer of the parts this peer averages, with a mean that is a fixed function of the
+    senders' parts: :func:`weighted_mean` in sender order.
+
+    hivemind adds each part into a running sum as it arrives (``accumulator.add_(part, alpha=w)``), so
+    its result depends on which sender came first and on the CPU's kernel, and every peer copies the
+    bytes of whichever it got. Here each sender's part is kept until every sender still in the round
+    has sent it (one part per sender at a time; hivemind kept one sum), then reduced at once. The
+    order of parts, the waiting, the bans and the end of the round are hivemind's. This is the one
+    place where the senders' parts meet: a robust aggregate would replace :func:`weighted_mean` here.
+    """
+
+    def reset_accumulators(self):
+        super().reset_accumulators()
+        self.accumulator = None  # hivemind's running sum (a zero tensor), unused: the parts are kept
+        self.parts_by_sender: dict[int, tuple[torch.Tensor, float]] = {}
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        """hivemind's, except that the part is kept, not added into a running sum."""
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # the parts before this one are not reduced yet
+            finished = asyncio.create_task(self.finished.wait())
+            await asyncio.wait({self.current_part_future, finished}, return_when=asyncio.FIRST_COMPLETED)
+            finished.cancel()
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        self.parts_by_sender[sender_index] = (tensor_part, weight)
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        return await current_part_future
+
+    def check_current_part_finished(self):
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            senders = sorted(self.parts_by_sender)
+            # every sender of a part may have failed: then nobody waits for its mean
+            mean = weighted_mean([self.parts_by_sender[s][0] for s in senders],
+                                 [self.parts_by_sender[s][1] for s in senders]) if senders else None
+            self.current_part_future.set_result(mean)
+            self.reset_accumulators()
+
+
 def decode_part(codec: Codec, data: bytes, shape: torch.Size, what: str) -> tuple[Optional[torch.Tensor], Optional[str]]:
     """(the part, None), or (None, why it is malformed): a stranger's bytes in the run's codec."""
     try:  # decode checks the length for `shape` and that every value is finite
@@ -128,14 +228,23 @@ def decode_part(codec: Codec, data: bytes, shape: torch.Size, what: str) -> tupl
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose output is the averaged tensor itself, identical on every peer.
 
-    ``sender_weights`` maps each sender to its weight in the mean (the samples it gathered).
+    ``sender_weights`` maps each sender to its weight in the mean (the samples it gathered). If `sent`
+    is given (tensors shaped like `tensors`), the runner writes into it what the group counts of each
+    value of this peer's input: the decoded bytes of each part it sends to another reducer, and the
+    input itself on the parts it reduces; once the round has completed, every value is written.
     """
 
     def __init__(self, *, traffic: "TrafficCounters", sender_weights: dict[PeerID, float], screen: GroupScreen,
-                 codec: Codec, fault_pause_s: float = 0.0, fault_send_pause_s: float = 0.0, **kwargs):
+                 codec: Codec, sent: Optional[Sequence[torch.Tensor]] = None, fault_pause_s: float = 0.0,
+                 fault_send_pause_s: float = 0.0, **kwargs):
         kwargs.pop("compression", None)  # hivemind's averager passes its own; the run's codec replaces it
-        super().__init__(compression=CodecCompression(codec), **kwargs)
+        part_size_bytes = kwargs.pop("part_size_bytes", DEFAULT_PART_SIZE_BYTES)
+        super().__init__(**part_container_settings(codec, part_size_bytes), **kwargs)
+        replaced = self.tensor_part_reducer  # hivemind's, built above and never used: see SenderOrderReducer
+        replaced.finished.set()  # (its finalize would warn that it received nothing)
+        self.tensor_part_reducer = SenderOrderReducer(replaced.part_shapes, replaced.num_senders)
         self.codec = codec
+        self.sent = sent
         self._averaged_bytes: dict[int, bytes] = {}  # part index -> the averaged part this reducer sends
         self.fault_send_pause_s = fault_send_pause_s
         self.sender_weights = sender_weights
@@ -154,9 +263,20 @@ class ExactAllReduceRunner(AllReduceRunner):
             self._averaged_bytes.setdefault(part_index, encoded)
         return self._averaged_bytes[part_index]
 
+    def _record_sent(self, info: CompressionInfo, counted: torch.Tensor) -> None:
+        """Write what the group counts of the part `info` of this peer's input into ``self.sent``."""
+        start = info.part_index * info.part_size  # hivemind cuts every tensor into parts of part_size values
+        self.sent[info.key].view(-1)[start:start + counted.numel()].copy_(counted.reshape(-1))
+
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         first = True
-        async for message in super()._generate_input_for_peer(peer_index):
+        loop = asyncio.get_event_loop()
+        parts = list(self.tensor_part_container._input_parts_by_peer[peer_index])  # (part, info), in order
+        async for part_index, message in aenumerate(super()._generate_input_for_peer(peer_index)):
+            if self.sent is not None:  # the reducer counts these very bytes, decoded
+                part, info = parts[part_index]
+                counted = await loop.run_in_executor(None, self.codec.decode, message.tensor_part.buffer, part.numel())
+                self._record_sent(info, counted)  # in the event loop: never after the round is torn down
             self.traffic.add(sent=len(message.tensor_part.buffer))
             yield message
             if first and self.fault_send_pause_s:
@@ -170,6 +290,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            if self.sent is not None:  # counted as it is: it never travels
+                self._record_sent(self.tensor_part_container._input_parts_by_peer[peer_index][part_index][1],
+                                  tensor_part)
             averaged_part = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, tensor_part, weight=self.sender_weights[peer_id]
             )
@@ -281,10 +404,16 @@ class ExactAllReduceRunner(AllReduceRunner):
 
 class ExactMeanAverager(DecentralizedAverager):
     """A DecentralizedAverager whose ``step()`` leaves the same bytes on every peer of the group,
-    weighted by the samples each member gathered, among groupmates whose metadata passed the screen."""
+    weighted by the samples each member gathered, among groupmates whose metadata passed the screen.
+
+    With `record_sent`, :attr:`sent` holds one shared-memory tensor per averaged tensor (made before the
+    averager process forks: one more float32 copy of the tensors, 4 bytes per value): after a round
+    that completed, the fragment's entries hold what the group counted of this peer's input
+    (see :class:`ExactAllReduceRunner`). Read them under :meth:`get_tensors`, like the tensors.
+    """
 
     def __init__(self, tensors: Sequence[torch.Tensor], *args, codec: str = "none",
-                 fragments: Optional[list[list[int]]] = None, **kwargs):
+                 fragments: Optional[list[list[int]]] = None, record_sent: bool = False, **kwargs):
         # a round averages one fragment of the tensors (Streaming DiLoCo): the one its members gathered
         self.fragments = fragments or [list(range(len(tensors)))]
         self.codec = get_codec(codec)  # of the pseudo-gradient parts (outer.codec); the state travels in fp32
@@ -294,6 +423,7 @@ class ExactMeanAverager(DecentralizedAverager):
         self.traffic = TrafficCounters()  # created before the averager process forks, so both see it
         self.screen = GroupScreen()  # used in the averager process
         self.rounds_started = 0  # counted in the averager process
+        self.sent = [torch.zeros_like(t, dtype=torch.float32).share_memory_() for t in tensors] if record_sent else None
         super().__init__(tensors, *args, **kwargs)
 
     def _run_internal(self):
@@ -331,6 +461,7 @@ class ExactMeanAverager(DecentralizedAverager):
             sender_weights={peer_id: float(meta.samples) for peer_id, meta in metadata.items()},
             screen=self.screen,
             codec=self.codec,
+            sent=None if self.sent is None else [self.sent[i] for i in self.fragments[fragment]],
             fault_pause_s=faults.allreduce_pause_s(self.rounds_started),
             fault_send_pause_s=faults.allreduce_pause_s(self.rounds_started, role="sender"),
             **kwargs,

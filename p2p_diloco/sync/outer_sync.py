@@ -32,7 +32,6 @@ from p2p_diloco.config import SwarmConfig
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.remote_input import parse
 from p2p_diloco.sync.commit import RoundReports
-from p2p_diloco.sync.error_feedback import ErrorFeedback
 from p2p_diloco.sync.exact_allreduce import ExactMeanAverager
 from p2p_diloco.sync.group_screen import GroupMetadata
 from p2p_diloco.sync.state_transfer import StateSharing
@@ -50,6 +49,9 @@ class GroupMean:
     group_size: int
     group_samples: int
     tokens: dict[str, str]  # each groupmate's peer ID -> the attempt token it announced
+    # the fragment's tensors as the group counted them in `mean` (this peer's input after the codec's
+    # round trip, exact on the parts it reduced itself), when asked for: what error feedback subtracts
+    sent: Optional[list[torch.Tensor]] = None
 
     @property
     def peer_ids(self) -> list[str]:
@@ -119,8 +121,10 @@ class OuterSync:
 
     `fragments` lists the tensor indices of each Streaming DiLoCo fragment (default: one of all); a
     round averages one of them, named in the gathered metadata, and the averager moves only its
-    tensors. With `error_feedback` each peer sends Δ + e and keeps what the codec dropped
-    (:mod:`p2p_diloco.sync.error_feedback`) once the round is agreed.
+    tensors. With `record_sent` the averager keeps, in shared memory, what the group counted of this
+    peer's input (one more float32 copy of the tensors: 4 bytes per parameter), and
+    ``average(..., report_sent=True)`` returns it: what error feedback, which the training loop owns,
+    needs to know what the codec dropped.
 
     A peer that nobody can dial (`client_mode`) averages as hivemind's client: it sends its parts to
     reducers that it dials, reduces none, never leads a group and serves no state.
@@ -138,7 +142,7 @@ class OuterSync:
         client_mode: bool = False,
         codec: str = "none",
         fragments: Optional[list[list[int]]] = None,
-        error_feedback: bool = False,
+        record_sent: bool = False,
     ):
         self.cfg = cfg
         self.fragments = fragments or [list(range(len(shapes)))]
@@ -157,9 +161,9 @@ class OuterSync:
             state_provider=state_provider,
             codec=codec,
             fragments=self.fragments,
+            record_sent=record_sent,
             **averager_timeouts(cfg),
         )
-        self.error_feedback = ErrorFeedback(self.averager.codec, shapes) if error_feedback else None
 
     def average(
         self,
@@ -169,20 +173,22 @@ class OuterSync:
         global_sha256: str,
         fragment: int = 0,
         stop: Optional[threading.Event] = None,
+        report_sent: bool = False,
     ) -> GroupMean:
-        """Average `fragment` of the pseudo-gradient (its tensors, in order) with the peers at this outer
-        step that hold the same θ_global (`global_sha256`).
+        """Average `fragment` of the pseudo-gradient (its tensors, in order; with error feedback, already
+        compensated) with the peers at this outer step that hold the same θ_global (`global_sha256`).
 
         Returns only a mean that every groupmate holds too (see p2p_diloco.sync.commit); raises
-        RoundFailed otherwise, and then this peer must apply nothing.
+        RoundFailed otherwise, and then this peer must apply nothing. With `report_sent` (which needs
+        `record_sent`) the result's ``sent`` holds what the group counted of `pseudo_gradient`.
         """
+        if report_sent and self.averager.sent is None:
+            raise ValueError("report_sent needs an OuterSync made with record_sent=True")
         stop = stop or threading.Event()
         token = secrets.token_hex(8)  # names this attempt in the group's round reports
-        indices = self.fragments[fragment]
-        if self.error_feedback is not None:
-            pseudo_gradient, residual = self.error_feedback.compensate(indices, pseudo_gradient)
         try:
-            result = self._all_reduce(pseudo_gradient, samples, outer_step, global_sha256, fragment, token, stop)
+            result = self._all_reduce(pseudo_gradient, samples, outer_step, global_sha256, fragment, token, stop,
+                                      report_sent)
         except RoundFailed:
             self.reports.publish(outer_step, token, complete=False, mean_sha256=None)
             raise
@@ -192,13 +198,11 @@ class OuterSync:
         void = self.reports.agree(outer_step, groupmates, mean_sha256, self.cfg.commit_timeout, stop)
         if void is not None:
             raise RoundFailed(f"round void: {void}", tensors_touched=True)
-        if self.error_feedback is not None:
-            self.error_feedback.commit(indices, residual)
         return result
 
     def _all_reduce(
         self, pseudo_gradient, samples: int, outer_step: int, global_sha256: str, fragment: int, token: str,
-        stop: threading.Event,
+        stop: threading.Event, report_sent: bool,
     ) -> GroupMean:
         self.averager.set_group_bits(group_bits(outer_step))
         indices = self.fragments[fragment]
@@ -225,14 +229,16 @@ class OuterSync:
         starts = {(meta.outer_step, meta.global_sha256) for meta in metadata.values()}
         if starts != {(outer_step, global_sha256)}:
             raise RoundFailed("groupmates started from different global states", tensors_touched=True)
-        with self.averager.get_tensors() as buffers:
+        with self.averager.get_tensors() as buffers:  # the averager writes `sent` under the same lock
             mean = [buffers[i].clone() for i in indices]
+            sent = [self.averager.sent[i].clone() for i in indices] if report_sent else None
         peers = {peer_id: meta for peer_id, meta in metadata.items() if meta.role == "peer"}  # assistants hold no mean
         return GroupMean(
             mean=mean,
             group_size=len(peers),
             group_samples=sum(meta.samples for meta in peers.values()),
             tokens={peer_id: meta.token for peer_id, meta in peers.items()},
+            sent=sent,
         )
 
     def _wait(self, control, should_stop: Callable[[], bool], deadline: float):
