@@ -26,7 +26,9 @@ from p2p_diloco.sync.codecs import CODECS, Bnb4BitCodec, BlockwiseInt8Codec, Raw
 from p2p_diloco.train.init_weights import SeededDraws, natural_log, seeded_initialisation
 from p2p_diloco.train.model import build_model, trainable_parameters
 from p2p_diloco.train.outer import GlobalModel
+from p2p_diloco.metrics import read_metrics
 from tests.conftest import REPO, tiny_config
+from tests.swarm_helpers import LOOPBACK, hashes_by_step, start_bootstrap, tiny_config_file, wait_until
 
 VOCAB = 300
 OUTER_STEPS = 4
@@ -313,6 +315,32 @@ def test_block_decodes_give_bitsandbytes_own_bits(codec, numel):
         expected = functional.dequantize_4bit(packed, state).reshape(even_numel)[:numel]
     decoded = codec.decode(data, numel)
     assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32))
+
+
+# ---- a real swarm -------------------------------------------------------------------------------------------
+
+@pytest.mark.swarm
+def test_two_peers_on_different_kernels_keep_one_global_model(processes, tmp_path, monkeypatch):
+    """Two peers through the CLI on 127.0.0.1, one under ATen's default kernels: one θ_global after every
+    outer step, and neither ever downloads the state (before issue 18 the default one did, every step).
+    With a 4-bit codec and the merge, so that the decode and θ_local ← α·θ_local + (1 − α)·θ_global run too."""
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    config = tiny_config_file(tmp_path, outer={"codec": "fp4-e3m0", "merge_alpha": MERGE_ALPHA})
+    maddr = start_bootstrap(processes)
+    metrics = []
+    for name, env in KERNELS.items():
+        metrics.append(processes.log_dir / f"{name}.jsonl")
+        processes.start(name, "peer", "--config", str(config), "--host", LOOPBACK.ip, "--initial-peers", maddr,
+                        "--metrics-file", str(metrics[-1]), "--max-outer-steps", "3", "--wait-for-peers", "2", env=env)
+    peers = [p for p in processes.procs if p.name in KERNELS]
+    wait_until(lambda: all(p.poll() is not None for p in peers), 300, "both peers to take 3 outer steps")
+    assert [p.returncode for p in peers] == [0, 0], [processes.log(p.name)[-2000:] for p in peers]
+    by_step = hashes_by_step(metrics)
+    assert sorted(by_step) == [1, 2, 3], by_step
+    for step, hashes in by_step.items():
+        assert len(hashes) == 1, f"the peers disagree after outer step {step}: {hashes}"
+    for path in metrics:
+        assert "state_loaded" not in [r["event"] for r in read_metrics(path)], path.name
 
 
 if __name__ == "__main__":
