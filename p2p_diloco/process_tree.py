@@ -12,6 +12,12 @@ averager process would go on joining groups for a peer that no longer exists.
 :func:`children_exit_with_this_process` makes every multiprocessing child watch its parent and,
 when the parent is gone, stop its own children (p2pd) and exit.
 
+A stop meant for the node must reach its main process alone: Ctrl+C and `kill -- -PGID` signal the
+whole process group, and a DHT process or p2pd that died of it left the main process waiting for
+answers that never came, too late to publish its last records. So each child leaves its parent's
+process group (p2pd, started by the DHT process, goes with it) and stops only when its parent says
+so, when the parent is gone, or on a SIGTERM of its own, and then takes its children along.
+
 Linux only (reads /proc); elsewhere nothing is found and nothing is watched.
 """
 
@@ -129,16 +135,25 @@ PARENT_CHECK_PERIOD_S = 1.0
 _watching = False
 
 
-def _exit_when_parent_dies(_registry_key: object) -> None:
-    """Runs in each forked multiprocessing child: a thread that ends the child once its parent is gone."""
+def _exit_with_children(code: int) -> None:
+    stop_processes(descendant_pids(os.getpid()), grace_s=0.0)
+    os._exit(code)
+
+
+def _child_of_this_process(_registry_key: object) -> None:
+    """Runs in each forked multiprocessing child: out of the parent's process group, SIGINT ignored (a
+    Ctrl+C is the parent's to handle), SIGTERM ends it with its children (no orphaned p2pd), and a
+    thread ends it likewise once its parent is gone."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, _frame: _exit_with_children(128 + signum))
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_CHECK_PERIOD_S)
         logger.warning("parent process %d is gone: stopping this process (%d) and its children", parent, os.getpid())
-        stop_processes(descendant_pids(os.getpid()), grace_s=0.0)
-        os._exit(1)
+        _exit_with_children(1)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
@@ -152,9 +167,10 @@ _registry_key = _RegistryKey()
 
 def children_exit_with_this_process() -> None:
     """Make every multiprocessing child forked from now on exit (and stop its children) when this
-    process dies, however it dies. Call it once, before hivemind starts its processes."""
+    process dies, however it dies, and keep signals to this process's group from reaching them (see
+    the module docstring). Call it once, before hivemind starts its processes."""
     global _watching
     if _watching or not os.path.isdir("/proc"):
         return
-    multiprocessing.util.register_after_fork(_registry_key, _exit_when_parent_dies)
+    multiprocessing.util.register_after_fork(_registry_key, _child_of_this_process)
     _watching = True

@@ -14,6 +14,8 @@ reducers, downloading state) it dials itself.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import ipaddress
 import logging
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from hivemind import DHT
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.multiaddr import Multiaddr
 
+from p2p_diloco.process_tree import is_running
 from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.liveness import serve_alive
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE, Reachability, probe, serve_dial_back
@@ -69,6 +72,38 @@ def parse_initial_peers(maddrs: Sequence[str], where: str = "--initial-peers") -
     return parsed
 
 
+DHT_CHECK_PERIOD_S = 0.5
+
+
+def _fails_once_the_process_is_gone(call):
+    """A DHT call that, unless asked for its future, waits for the DHT process's answer only while that
+    process lives (hivemind's waits for ever)."""
+
+    @functools.wraps(call)
+    def wait_while_alive(dht: SwarmDHT, *args, return_future: bool = False, **kwargs):
+        future = call(dht, *args, return_future=True, **kwargs)
+        if return_future:
+            return future
+        while True:
+            try:
+                return future.result(timeout=DHT_CHECK_PERIOD_S)
+            except concurrent.futures.TimeoutError:
+                if not is_running(dht.pid):
+                    raise ConnectionError(f"the DHT process ({dht.pid}) is gone") from None
+
+    return wait_while_alive
+
+
+class SwarmDHT(DHT):
+    """hivemind's DHT, whose calls fail once its process is gone instead of hanging: a peer whose DHT
+    process was killed (its service manager stops every process of the unit at once, the OOM killer)
+    must still leave within seconds."""
+
+    get = _fails_once_the_process_is_gone(DHT.get)
+    store = _fails_once_the_process_is_gone(DHT.store)
+    run_coroutine = _fails_once_the_process_is_gone(DHT.run_coroutine)
+
+
 def start_dht(
     host: str,
     port: int,
@@ -78,7 +113,7 @@ def start_dht(
     initial_peers: Sequence[str] = (),
     client_mode: bool = False,
     startup_timeout: float = 60.0,
-) -> DHT:
+) -> SwarmDHT:
     """Start a DHT node (and its p2pd daemon); raise a one-line error if the swarm is unreachable.
 
     A `client_mode` node stores no records for others and answers no DHT requests: for a node that
@@ -86,7 +121,7 @@ def start_dht(
     requests (:func:`~p2p_diloco.swarm.liveness.serve_alive`).
     """
     with identity.key_file() as key_file:  # p2pd reads it while the node starts
-        dht = DHT(
+        dht = SwarmDHT(
             host_maddrs=listen_maddrs(host, port),
             announce_maddrs=announce_maddrs(announce_ip, port),
             initial_peers=parse_initial_peers(initial_peers),
