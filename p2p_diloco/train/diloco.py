@@ -539,6 +539,7 @@ class DiLoCoPeer:
 
     def _leave(self) -> None:
         """Tell the swarm this peer is gone, then stop the averager (the caller stops the DHT)."""
+        self.stop_event.set()  # whatever ended the loop (a signal, an exception), a sync in flight stops too
         try:
             self.progress.publish(self.global_model.outer_step, self.sha256, LEFT)
             self.status.publish(phase=peer_status.LEFT)
