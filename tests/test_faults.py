@@ -8,16 +8,19 @@ outer step has one θ_global across peers, no NaN, and returning peers converge 
 
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from p2p_diloco.metrics import read_metrics
-from p2p_diloco.process_tree import is_running
-from tests.conftest import TINY, descendants
+from p2p_diloco.process_tree import is_running, kill_tree
+from tests.conftest import REPO, TINY, descendants
 from tests.swarm_helpers import (
-    assert_consistent, hashes_by_step, last_step, outer_steps, peer_id_of, proc, start_peer, swarm, wait_for_steps,
-    wait_until,
+    FAST_TIMEOUTS, assert_consistent, hashes_by_step, last_step, outer_steps, peer_id_of, proc, start_bootstrap,
+    start_peer, swarm, tiny_config_file, wait_for_steps, wait_until,
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
@@ -142,6 +145,64 @@ def test_clean_leave_on_sigterm(processes, tmp_path):
     wait_for_steps(metrics[:2], at_leave + 2)
     assert outer_steps(metrics[0])[-1]["group_size"] == 2
     assert_consistent(metrics)
+
+
+@pytest.fixture
+def own_session_peer(processes):
+    """Starts a `p2p-diloco peer` as a service manager or a shell would: leading a process group of its
+    own, which a test can signal without hitting pytest. Each group and every descendant is SIGKILLed
+    at the end."""
+    started = []
+
+    def start(name, config, maddr, faults=""):
+        metrics = processes.log_dir / f"{name}.jsonl"
+        log = open(processes.log_dir / f"{name}.log", "a")
+        peer = subprocess.Popen(
+            [sys.executable, "-m", "p2p_diloco.cli", "peer", "--config", str(config), "--host", "127.0.0.1",
+             "--initial-peers", maddr, "--metrics-file", str(metrics)],
+            stdout=log, stderr=log, text=True, cwd=processes.log_dir, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(REPO), "P2P_DILOCO_FAULTS": faults},
+        )
+        peer.name = name
+        processes.procs.append(peer)
+        started.append(peer)
+        return peer, metrics
+
+    yield start
+    for peer in started:
+        processes.orphans.extend(kill_tree(peer.pid))  # its children lead groups of their own
+        try:
+            os.killpg(peer.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_stop_signal_mid_sync_to_peer_or_group(processes, own_session_peer, tmp_path):
+    # the sync overlaps inner steps (the shipped default); each peer holds back its reduced parts for
+    # 4 s in its second all-reduce, and is signalled then: mid all-reduce, with its sync in flight
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, outer={"sync_delay": 3}, swarm=FAST_TIMEOUTS)
+    maddr = start_bootstrap(processes)
+    signal_to = {"pid": os.kill, "group": os.killpg}
+    exit_seconds = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):  # one pair of peers each, stopped together as in the issue
+        peers = {how: own_session_peer(f"{sig.name}-{how}", config, maddr, faults=PAUSE_IN_SECOND_ROUND)
+                 for how in signal_to}
+        for how, (peer, metrics) in peers.items():
+            wait_until(lambda: "pausing mid all-reduce" in processes.log(peer.name), 180,
+                       f"{peer.name} to pause mid all-reduce", poll_s=0.1)
+            children = descendants(peer.pid)
+            assert children, "a peer runs its DHT and averager processes and p2pd"
+            signal_to[how](peer.pid, sig)
+            sent = time.monotonic()
+            assert peer.wait(30) == 0, processes.log(peer.name)[-3000:]
+            exit_seconds[peer.name] = round(time.monotonic() - sent, 1)
+            # torch's shared-memory manager exits as its client does, a moment after: give it that moment
+            wait_until(lambda: not any(is_running(pid) for pid in children), 5,
+                       f"the children {children} of {peer.name} to exit", poll_s=0.1)
+            assert read_metrics(metrics)[-1]["event"] == "exit"
+            # the peer alone handled it: no child of it took the signal for its own
+            assert processes.log(peer.name).count(f"received {sig.name}: leaving the swarm") == 1
+    print("seconds from the signal to the exit:", exit_seconds)
 
 
 def test_restart_from_checkpoint(processes, tmp_path):
