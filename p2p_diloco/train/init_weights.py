@@ -232,7 +232,7 @@ def _as_method(route: Callable) -> Callable:
     return method
 
 
-_BUILD_LOCK = threading.Lock()
+_BUILD_LOCK = threading.RLock()  # one build at a time (a nested one, in the same thread, is allowed)
 
 
 @contextmanager
