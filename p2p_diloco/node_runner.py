@@ -242,6 +242,7 @@ def run_peer(config_path, options: PeerOptions) -> int:
     from p2p_diloco.swarm.identity import Identity, IdentityError
     from p2p_diloco.swarm.node import start_run_node
     from p2p_diloco.train.data import DataError
+    from p2p_diloco.train.checkpoint import check_checkpoint_settings
     from p2p_diloco.train.diloco import DiLoCoPeer, RunSettingsMismatch
     from p2p_diloco.train.display import InnerProgress
     from p2p_diloco.train.memory import MemoryFitError
@@ -251,6 +252,8 @@ def run_peer(config_path, options: PeerOptions) -> int:
         identity = Identity.load_or_create(options.identity_path)
         metrics = MetricsWriter(options.metrics_file, identity.peer_id, tensorboard_dir=options.tensorboard)
         model, settings, peer_data, micro_batch_size = _prepare_training(cfg, identity.peer_id, device)
+        if cfg.swarm.checkpoint_dir:  # before its export assets are rewritten for this config
+            check_checkpoint_settings(cfg.swarm.checkpoint_dir, settings_fingerprint(settings))
     except (IdentityError, DataError, ConfigError, ValueError) as e:
         if metrics is not None:
             metrics.close()

@@ -22,6 +22,10 @@ logger = logging.getLogger(__name__)
 EXPORT_RUN_FILE = "p2p_diloco_run.json"  # in the export assets: {"run_name": ..., "fingerprint": ...}
 
 
+class CheckpointMismatch(ValueError):
+    """The checkpoint was trained with other run settings than the config a peer starts with."""
+
+
 def checkpoint_path(directory: str | os.PathLike) -> Path:
     return Path(directory) / "checkpoint.pt"
 
@@ -53,6 +57,31 @@ def load_checkpoint(directory: str | os.PathLike) -> Optional[dict]:
     except Exception as e:  # a foreign or damaged file: say so and start without it
         logger.warning("ignoring unreadable checkpoint %s: %s", path, e)
         return None
+
+
+def check_checkpoint_settings(directory: str | os.PathLike, fingerprint: str,
+                              state: Optional[dict] = None) -> None:
+    """CheckpointMismatch (one line) unless the checkpoint in `directory`, if any, was trained with the
+    settings whose fingerprint is `fingerprint` (:func:`p2p_diloco.config.settings_fingerprint`).
+
+    `state` is the checkpoint when the caller has loaded it; otherwise only its small fields are read
+    (torch.load with ``mmap``: the tensors stay on disk). A checkpoint from before fingerprints were
+    kept, or an unreadable one (which :func:`load_checkpoint` ignores), passes.
+    """
+    if state is None:
+        path = checkpoint_path(directory)
+        if not path.exists():
+            return
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except Exception:  # load_checkpoint says why, and starts without it
+            return
+    saved = state.get("fingerprint") if isinstance(state, dict) else None
+    if saved is not None and saved != fingerprint:
+        raise CheckpointMismatch(
+            f"the checkpoint in {directory} was trained with other run settings (fingerprint {saved[:12]}, this "
+            f"config's {fingerprint[:12]}): start with the config it was made with, or use another checkpoint "
+            "directory")
 
 
 def save_export_assets(directory: str | os.PathLike, model_config, tokenizer, run_name: str,

@@ -9,10 +9,11 @@ Each round, toward outer step t + 1:
    1 by default), those run while the last round's sync was in flight included;
 3. the pseudo-gradient of fragment t mod P (:mod:`p2p_diloco.train.fragments`; with P = 1, the
    whole model): Δ = θ_global − θ_local;
-4. its sync: wait (at most ``round_wait_timeout``) for the peers at step t, then the group's
-   sample-weighted mean of Δ (:class:`~p2p_diloco.sync.outer_sync.OuterSync`), or Δ itself when no
-   other peer is at this step. With ``outer.sync_delay`` τ = 0 the inner loop waits for it; with
-   τ > 0 it runs in a background thread while the next τ inner steps run;
+4. its sync (:class:`~p2p_diloco.train.round_sync.RoundSync`): wait (at most ``round_wait_timeout``)
+   for the peers at step t, then the group's sample-weighted mean of what this peer sends, Δ plus,
+   with error feedback, the residual it owes (:class:`~p2p_diloco.sync.outer_sync.OuterSync`), or that
+   itself when no other peer is at this step. With ``outer.sync_delay`` τ = 0 the inner loop waits
+   for it; with τ > 0 it runs in a background thread while the next τ inner steps run;
 5. outer Nesterov step on that fragment of θ_global, then θ_local ← α·θ_local + (1 − α)·θ_global
    on the fragment (α = ``outer.merge_alpha``), metrics, checkpoint.
 
@@ -21,6 +22,12 @@ every inner step since its last applied outer step, and is weighted by all of th
 the next round's plan brings the peer back in step with the swarm. Data flows one way: train
 produces Δ, sync turns it into the group's mean, train applies it. With P = 1, τ = 0, α = 0 and the
 fp32 codec this is DiLoCo's Algorithm 1 exactly.
+
+Each piece of state has one owner: θ_global, its momentum and its hash :class:`~p2p_diloco.train.outer.GlobalModel`;
+θ_local and what it holds beyond θ_global (unsynced samples, steps run ahead, the error-feedback
+residual) :class:`~p2p_diloco.train.local_work.LocalWork`; which fragment syncs when
+:class:`~p2p_diloco.schedule.FragmentSchedule`; what others and the user see
+:class:`~p2p_diloco.train.peer_view.PeerView`. This class runs the loop over them.
 """
 
 from __future__ import annotations
@@ -30,8 +37,7 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 
@@ -41,20 +47,22 @@ from p2p_diloco.metrics import MetricsWriter
 from p2p_diloco.schedule import FragmentSchedule
 from p2p_diloco.swarm.liveness import answering
 from p2p_diloco.swarm.node import RunNode
-from p2p_diloco.swarm.progress import (
-    LEFT, LOADING, READY, TRAINING, RoundPlan, SwarmProgress, plan_averaging, plan_round,
-)
+from p2p_diloco.swarm.progress import LEFT, LOADING, READY, TRAINING, RoundPlan, SwarmProgress, plan_round
 from p2p_diloco.swarm.records import RecordPublisher, assistance_key
 from p2p_diloco.swarm import status as peer_status
 from p2p_diloco.swarm.status import StatusPublisher, choose_shard, read_status, settings_mismatch
-from p2p_diloco.sync.outer_sync import GroupMean, OuterSync, RoundFailed
+from p2p_diloco.sync.outer_sync import GroupMean, OuterSync
 from p2p_diloco.sync.state_transfer import StateExpectation, download_global_state, nobody_serves
-from p2p_diloco.train.checkpoint import load_checkpoint, save_checkpoint
+from p2p_diloco.train.checkpoint import check_checkpoint_settings, load_checkpoint, save_checkpoint
 from p2p_diloco.train.data import DataError, checkpointed_stream_state, order_seed
+from p2p_diloco.train.error_feedback import ErrorFeedback
 from p2p_diloco.train.fragments import model_fragments
 from p2p_diloco.train.inner import InnerTrainer
+from p2p_diloco.train.local_work import LocalWork
 from p2p_diloco.train.model import trainable_parameters
 from p2p_diloco.train.outer import GlobalModel
+from p2p_diloco.train.peer_view import PeerView
+from p2p_diloco.train.round_sync import ROUND_STOPPED, RoundSync, SyncOutcome
 from p2p_diloco.train.utilization import ComputeClock, RecentRate
 
 logger = logging.getLogger(__name__)
@@ -86,47 +94,6 @@ class PeerData(Protocol):
     num_shards: int
 
     def open(self, shard: int, state: Optional[dict]) -> BatchStream: ...
-
-
-class Contribution:
-    """What θ_local holds beyond θ_global: per fragment, the samples of the inner steps not yet synced
-    (its weight in the group's mean); and the loss of the inner steps since the last outer_step record."""
-
-    def __init__(self, num_fragments: int):
-        self.total_samples = 0  # of every inner step since θ_local was last set from θ_global
-        self._synced = [0] * num_fragments  # total_samples already in each fragment's θ_global
-        self.loss_sum = 0.0
-        self.steps = 0
-        self.last_mean_loss: Optional[float] = None
-
-    def add(self, loss: float, samples: int) -> None:
-        self.total_samples += samples
-        self.loss_sum += loss
-        self.steps += 1
-
-    def recent_loss(self) -> Optional[float]:
-        """The mean loss of the inner steps since the last outer_step record, or of those before it."""
-        return self.loss_sum / self.steps if self.steps else self.last_mean_loss
-
-    def samples(self, fragment: int) -> int:
-        return self.total_samples - self._synced[fragment]
-
-    def synced(self, fragment: int, samples: int) -> float:
-        """`samples` of `fragment` are in θ_global now; returns the mean loss since the last call."""
-        self._synced[fragment] += samples
-        mean_loss = self.loss_sum / max(self.steps, 1)
-        self.loss_sum, self.steps = 0.0, 0
-        self.last_mean_loss = mean_loss
-        return mean_loss
-
-
-@dataclass
-class SyncOutcome:
-    """How the sync of one outer step ended: the group's mean, or why nothing is applied."""
-
-    result: Optional[GroupMean] = None
-    event: Optional[str] = None  # the metrics event of a round that applied nothing ("round_failed", ...)
-    reason: str = ""
 
 
 class DiLoCoPeer:
@@ -162,12 +129,12 @@ class DiLoCoPeer:
         self._saved_data_state: Optional[dict] = None  # the stream's state in a restored checkpoint
         self.inner = InnerTrainer(model, cfg.inner, iter(()), cfg.compute,  # batches from _open_data
                                   micro_batch_size)
-        self.display = display
         self.global_model = GlobalModel(self.local_params, cfg.outer)
         self.schedule = FragmentSchedule(model_fragments(model, cfg.outer), cfg.inner.steps_per_outer,
                                          cfg.outer.sync_delay)
-        self.contribution = Contribution(cfg.outer.fragments)
-        self.steps_ahead = 0  # inner steps of the next round, run while the last round's sync was in flight
+        error_feedback = cfg.outer.error_feedback and cfg.outer.codec != "none"
+        self.local = LocalWork(self.local_params, len(self.schedule.fragments),
+                               ErrorFeedback([p.shape for p in self.local_params]) if error_feedback else None)
         self._sync_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
         self.clock = ComputeClock()  # inner seconds against wall seconds, per outer_step record
         self.samples_per_s = RecentRate()  # of the last inner steps, for the status record
@@ -183,10 +150,12 @@ class DiLoCoPeer:
         self.last_group_size = 1
         self.distrusted_donors: set[str] = set()  # peers that served a malformed state
         self.settings = settings
-        fingerprint = settings_fingerprint(settings)
+        self.fingerprint = fingerprint = settings_fingerprint(settings)
         self.status = StatusPublisher(node.dht, cfg.run.name, node.identity.record_subkey, cfg.swarm.progress_ttl,
                                       fingerprint=fingerprint, settings=settings, reachability=node.reachability.mode,
                                       device=describe_device(self.inner.device))
+        self.display = display
+        self.view = PeerView(self.status, display, tokens_per_sample=cfg.data.seq_len)
         self.progress = SwarmProgress(node.dht, cfg.run.name, cfg.swarm.progress_ttl, node.identity.record_subkey,
                                       fingerprint, node.reachability.mode,
                                       answering=functools.partial(answering, node.dht))
@@ -194,8 +163,9 @@ class DiLoCoPeer:
         self.sync = OuterSync(node.dht, cfg.run.name, fingerprint, node.identity.record_subkey,
                               [p.shape for p in self.local_params], cfg.swarm, state_provider=self._serve_state,
                               client_mode=not node.reachability.can_reduce, codec=cfg.outer.codec,
-                              fragments=self.schedule.fragments,
-                              error_feedback=cfg.outer.error_feedback and cfg.outer.codec != "none")
+                              fragments=self.schedule.fragments, record_sent=error_feedback)
+        self.round_sync = RoundSync(self.progress, self.sync, self.peer_id, node.reachability.mode,
+                                    cfg.swarm.round_wait_timeout, self.stop_event, report_sent=error_feedback)
 
     def _ask_for_assistance(self, node: RunNode, fingerprint: str) -> RecordPublisher:
         """An unreachable peer asks reachable nodes to reduce for its run (see p2p_diloco.sync.assistant)."""
@@ -255,16 +225,11 @@ class DiLoCoPeer:
         finally:
             self._leave()
 
-    @property
-    def fingerprint(self) -> str:
-        return self.status.fingerprint
-
     def _join(self) -> None:
         self.restored = self._restore_checkpoint()
         self._after_state_change()
-        # the status record first: a peer that sees this one's progress record sees its settings too
-        self.status.publish(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done,
-                            data_shard=self._shard_claim())
+        self.view.joined(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done,
+                         data_shard=self._shard_claim())
         self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
         logger.info("joined at outer step %d (%s)", self.global_model.outer_step,
                     "checkpoint" if self.restored else "fresh")
@@ -304,39 +269,43 @@ class DiLoCoPeer:
         if self.data.num_shards > 1:
             logger.info("reading data shard %d of %d from batch %d", self.data_shard, self.data.num_shards,
                         stream.position)
-        self.status.publish(phase=peer_status.TRAINING, data_shard=self._shard_claim())
+        self.view.training(data_shard=self._shard_claim())
         self.metrics.write("join", outer_step=self.global_model.outer_step, global_sha256=self.sha256,
                            from_checkpoint=self.restored, data_shard=self.data_shard, data_position=stream.position)
 
     def _round(self) -> None:
-        """Inner steps until this outer step's fragment is due, then its sync: blocking (τ = 0), or in the
-        background while the next τ inner steps run (Streaming DiLoCo's overlap)."""
+        """Inner steps until this outer step's fragment is due, then its sync (:meth:`_sync`), then the outer
+        step if the sync ended with the group's mean."""
         step = self.global_model.outer_step
         fragment = self.schedule.fragment_at(step)
-        self.progress.publish(step, self.sha256, TRAINING, self.contribution.samples(fragment))
+        self.progress.publish(step, self.sha256, TRAINING, self.local.contribution.samples(fragment))
         if not self._train_round(step):
             return
-        samples = self.contribution.samples(fragment)
+        samples = self.local.contribution.samples(fragment)
         self.progress.publish(step, self.sha256, READY, samples)
-        self.status.publish(phase=peer_status.SYNCING)
-        if self.display is not None:
-            self.display.syncing()
-        pseudo_gradient = self.global_model.pseudo_gradient(self.local_params, self.schedule.fragments[fragment])
-        sync = functools.partial(self._sync, step, fragment, pseudo_gradient, samples)
-        steps_while_syncing = 0
-        if self.schedule.sync_delay:
-            in_flight = self._sync_thread.submit(sync)
-            while self.steps_ahead < self.schedule.sync_delay and self._train_steps(1):
-                self.steps_ahead += 1
-                steps_while_syncing += not in_flight.done()  # this step ended before the sync did
-            outcome = in_flight.result()  # bounded: every wait inside the sync has its timeout
-        else:
-            outcome = sync()
+        self.view.syncing()
+        indices = self.schedule.fragments[fragment]
+        to_send = self.local.to_send(indices, self.global_model.pseudo_gradient(self.local_params, indices))
+        outcome, steps_while_syncing = self._sync(
+            functools.partial(self.round_sync, step, fragment, to_send, samples, self.sha256))
         if outcome.result is not None:
-            self._apply(outcome.result, fragment, samples, steps_while_syncing)
-        elif outcome.event is not None:
-            self._not_applied(step, outcome.reason, outcome.event)
-        self.status.publish(phase=peer_status.TRAINING, outer_step=self.global_model.outer_step)
+            self._apply(outcome.result, fragment, samples, steps_while_syncing, to_send)
+        else:
+            self._not_applied(step, outcome)
+        self.view.training(outer_step=self.global_model.outer_step)
+
+    def _sync(self, sync: Callable[[], SyncOutcome]) -> tuple[SyncOutcome, int]:
+        """Run `sync`: blocking (τ = 0), or in the background while the next τ inner steps run (Streaming
+        DiLoCo's overlap, arXiv 2501.18512 §2.2). Returns its outcome and how many of those inner steps
+        ended before it did."""
+        if not self.schedule.sync_delay:
+            return sync(), 0
+        steps_while_syncing = 0
+        in_flight = self._sync_thread.submit(sync)
+        while self.local.steps_ahead < self.schedule.sync_delay and self._train_steps(1):
+            self.local.steps_ahead += 1
+            steps_while_syncing += not in_flight.done()  # this step ended before the sync did
+        return in_flight.result(), steps_while_syncing  # bounded: every wait inside the sync has its timeout
 
     def _train_round(self, step: int) -> bool:
         """The inner steps of outer step `step` (those run during the last sync count); False if stopping.
@@ -345,16 +314,15 @@ class DiLoCoPeer:
         peers then contribute the inner steps they managed, weighted by their samples, so a slow
         volunteer never makes the others wait for its full H/P steps.
         """
-        steps_this_round, self.steps_ahead = self.steps_ahead, 0
-        if self.display is not None:
-            self.display.start_round(step, self.schedule.steps_per_sync, done=steps_this_round)
+        steps_this_round, self.local.steps_ahead = self.local.steps_ahead, 0
+        self.view.round_started(step, self.schedule.steps_per_sync, steps_this_round)
         next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
         while steps_this_round < self.schedule.steps_per_sync:
             if self._stopping():
                 return False
             if steps_this_round and time.monotonic() >= next_check:
                 next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
-                if self._round_is_closing(step):
+                if self.round_sync.round_is_closing(step):
                     logger.info("outer step %d: others are ready; contributing %d inner steps", step + 1,
                                 steps_this_round)
                     break
@@ -370,44 +338,23 @@ class DiLoCoPeer:
             with self.clock.inner_step():
                 loss, n = self.inner.step()
                 faults.after_inner_step()
-            self.contribution.add(loss, n)
+            self.local.contribution.add(loss, n)
             self.samples_per_s.add(n, self.clock.last_step_s)
-            if self.display is not None:
-                self.display.step(loss, n * self.cfg.data.seq_len)
-            self.status.update(inner_steps=self.inner.steps_done, samples_per_s=self.samples_per_s.rate(),
-                               loss=self.contribution.recent_loss())
+            self.view.inner_step(loss, n, inner_steps=self.inner.steps_done, samples_per_s=self.samples_per_s.rate(),
+                                 loss=self.local.contribution.recent_loss())
         return count
 
-    def _sync(self, step: int, fragment: int, pseudo_gradient: list[torch.Tensor], samples: int) -> SyncOutcome:
-        """Wait for the groupmates at `step`, then the group's mean of this fragment's pseudo-gradient."""
-        records = self.progress.wait_for_groupmates(step, self.cfg.swarm.round_wait_timeout, self.stop_event)
-        if self._stopping():
-            return SyncOutcome()
-        if any(r.outer_step > step for r in records.values()):
-            logger.info("the swarm moved past outer step %d while this peer trained; catching up", step)
-            return SyncOutcome()
-        plan = plan_averaging(records, step, self.peer_id, self.reachability.mode)
-        if plan.action == "skip":
-            return SyncOutcome(event="round_skipped", reason=plan.reason)
-        if plan.action == "alone":
-            return SyncOutcome(GroupMean(pseudo_gradient, 1, samples, {self.peer_id: "alone"}))
-        try:
-            return SyncOutcome(self.sync.average(pseudo_gradient, samples, step, self.sha256, fragment,
-                                                 stop=self.stop_event))
-        except RoundFailed as e:
-            reason = str(e)
-            if plan.needs_assistant:  # what the user can do about it
-                reason += ("; every peer at this step is unreachable, so only an assistant can reduce for them: "
-                           "a reachable bootstrap node (not started with --no-assist) or a reachable peer")
-            return SyncOutcome(event="round_failed", reason=reason)
-
-    def _not_applied(self, step: int, reason: str, event: str) -> None:
+    def _not_applied(self, step: int, outcome: SyncOutcome) -> None:
         """A round that ends without an outer step: say why; after a few in a row, say the peer is excluded.
 
-        The inner steps stay in θ_local: the next pseudo-gradient holds them too.
+        The inner steps stay in θ_local: the next pseudo-gradient holds them too. A round this peer left
+        because it is stopping is only written to the metrics.
         """
-        logger.warning("outer step %d: %s; applying nothing this round", step + 1, reason)
+        event, reason = outcome.event, outcome.reason
         self.metrics.write(event, outer_step=step, reason=reason)
+        if event == ROUND_STOPPED:
+            return
+        logger.warning("outer step %d: %s; applying nothing this round", step + 1, reason)
         self.rounds_not_applied += 1
         if self.rounds_not_applied == EXCLUDED_AFTER_ROUNDS:
             logger.warning("excluded from the swarm's outer steps for %d rounds in a row (last: %s); this peer "
@@ -415,18 +362,14 @@ class DiLoCoPeer:
             self.metrics.write("excluded", outer_step=step, rounds=self.rounds_not_applied, reason=reason,
                                reachability=self.reachability.mode)
 
-    def _round_is_closing(self, step: int) -> bool:
-        """Whether another peer is ready at this step, or past it."""
-        return any(
-            r.peer_id != self.peer_id and (r.outer_step > step or (r.outer_step == step and r.phase == READY))
-            for r in self.progress.fetch().values()
-        )
-
-    def _apply(self, result: GroupMean, fragment: int, samples: int, steps_while_syncing: int) -> None:
-        """The outer step on this fragment of θ_global, merged into θ_local; `samples` were in the peer's Δ."""
-        mean_loss = self.contribution.synced(fragment, samples)
+    def _apply(self, result: GroupMean, fragment: int, samples: int, steps_while_syncing: int,
+               to_send: list[torch.Tensor]) -> None:
+        """The outer step on this fragment of θ_global, merged into θ_local; `samples` were in the peer's Δ,
+        and `to_send` is what it sent (Δ plus the residual it owed)."""
+        mean_loss = self.local.contribution.synced(fragment, samples)
         self.rounds_not_applied = 0
         indices = self.schedule.fragments[fragment]
+        self.local.sent(indices, to_send, result.sent)
         with self._state_lock:
             self.global_model.apply(result.mean, indices)
             self.global_model.merge_into(self.local_params, indices, self.cfg.outer.merge_alpha)
@@ -462,7 +405,7 @@ class DiLoCoPeer:
     def _load_from_peers(self, plan: RoundPlan) -> bool:
         logger.info("loading global state from peers: %s", plan.reason)
         self.progress.publish(plan.target_step, self.sha256, LOADING)  # peers at that step wait for this one
-        self.status.publish(phase=peer_status.LOADING)
+        self.view.loading()
         self.sync.share_state(False)  # nobody should copy a state we are replacing
         expected = StateExpectation(tuple(tuple(p.shape) for p in self.local_params), plan.target_step,
                                     plan.target_sha256)
@@ -475,7 +418,7 @@ class DiLoCoPeer:
             self.sync.share_state(True)
         failures = {peer: str(why) for peer, why in failed_donors.items()}
         if state is None:
-            self.status.publish(phase=peer_status.TRAINING)
+            self.view.training()
             if nobody_serves(failed_donors, plan.target_step):
                 self.progress.set_aside(plan.claims or {})
             logger.warning("could not download the global state; training on from outer step %d",
@@ -483,19 +426,18 @@ class DiLoCoPeer:
             self.metrics.write("state_load_failed", outer_step=plan.target_step, reason=plan.reason,
                                failed_donors=failures)
             return False
+        contribution = self.local.contribution  # its unsynced inner steps are dropped with θ_local
+        samples_dropped = max(contribution.samples(f) for f in range(len(self.schedule.fragments)))
         with self._state_lock:
             self.global_model.load_state_tensors(state.tensors, state.outer_step)
-            self.global_model.copy_to(self.local_params, self.schedule.fragments)
+            self.local.replace_with(self.global_model, self.schedule.fragments)
             self.inner.fast_forward_schedule(state.inner_steps)
-            self.contribution = Contribution(len(self.schedule.fragments))
-            self.steps_ahead = 0
             self.rounds_not_applied = 0
             self._after_state_change()
         self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
-        self.status.publish(phase=peer_status.TRAINING, outer_step=self.global_model.outer_step,
-                            inner_steps=self.inner.steps_done)
+        self.view.training(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done)
         self.metrics.write("state_loaded", outer_step=state.outer_step, global_sha256=self.sha256, reason=plan.reason,
-                           donor=state.donor, failed_donors=failures)
+                           donor=state.donor, failed_donors=failures, samples_dropped=samples_dropped)
         logger.info("loaded global state at outer step %d (%s) from %s", state.outer_step, self.sha256[:12],
                     state.donor)
         self._save_checkpoint()
@@ -515,6 +457,9 @@ class DiLoCoPeer:
                 data_state=self.stream.state_dict() if self.stream is not None else None,
                 global_state=[t.clone() for t in self.global_model.state_tensors()],
                 inner_optimizer=self.inner.optimizer.state_dict(),
+                # θ_local, its unsynced samples, the steps run ahead and the residual, taken with the data
+                # position above: a restart neither skips a batch it read nor counts one twice
+                local=self.local.state_dict(),
             )
         save_checkpoint(self.checkpoint_dir, state)
 
@@ -524,9 +469,13 @@ class DiLoCoPeer:
         state = load_checkpoint(self.checkpoint_dir)
         if state is None:
             return False
+        check_checkpoint_settings(self.checkpoint_dir, self.fingerprint, state)
         with self._state_lock:
             self.global_model.load_state_tensors(state["global_state"], state["outer_step"])
-            self.global_model.copy_to(self.local_params, self.schedule.fragments)
+            if state.get("local") is not None:
+                self.local.load_state_dict(state["local"])
+            else:  # a checkpoint of an earlier version kept no θ_local: its data position is a round ahead
+                self.local.replace_with(self.global_model, self.schedule.fragments)
             self.inner.optimizer.load_state_dict(state["inner_optimizer"])
             self.inner.fast_forward_schedule(state["inner_steps"])
         self.data_shard = state.get("data_shard")

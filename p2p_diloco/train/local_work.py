@@ -1,0 +1,134 @@
+"""What a peer holds beyond θ_global: its work not yet in the swarm's model, kept by one owner.
+
+DiLoCo's θ_local (arXiv 2311.08105, Alg. 1) differs from θ_global by the inner steps not yet synced.
+Around it a peer keeps more state that only makes sense together with θ_local:
+
+* per fragment, the samples of the inner steps not yet in that fragment's θ_global (the peer's
+  weight in the group's mean, DiLoCo's sample-weighted average; Streaming DiLoCo, arXiv 2501.18512,
+  syncs one fragment at a time, so each has its own count);
+* the inner steps already run toward the next round while the last round's sync was in flight
+  (Streaming DiLoCo's overlap τ);
+* the error-feedback residual (:mod:`p2p_diloco.train.error_feedback`): what the codec dropped from
+  this peer's last sends, owed to the next.
+
+They change together and are lost together: a downloaded state replaces all of them at once
+(:meth:`LocalWork.replace_with`: the state already holds whatever of this peer's work reached the
+group, so keeping any of them would count it twice), and a checkpoint keeps all of them
+(:meth:`LocalWork.state_dict`) with the data stream's position taken at the same moment, so a
+restarted peer neither skips a batch it had read nor counts one twice.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from p2p_diloco.train.error_feedback import ErrorFeedback
+
+
+class Contribution:
+    """Per fragment, the samples of the inner steps not yet synced; and the loss of the inner steps since
+    the last outer_step record."""
+
+    def __init__(self, num_fragments: int):
+        self.total_samples = 0  # of every inner step since θ_local was last set from θ_global
+        self._synced = [0] * num_fragments  # total_samples already in each fragment's θ_global
+        self.loss_sum = 0.0
+        self.steps = 0
+        self.last_mean_loss: Optional[float] = None
+
+    def add(self, loss: float, samples: int) -> None:
+        self.total_samples += samples
+        self.loss_sum += loss
+        self.steps += 1
+
+    def recent_loss(self) -> Optional[float]:
+        """The mean loss of the inner steps since the last outer_step record, or of those before it."""
+        return self.loss_sum / self.steps if self.steps else self.last_mean_loss
+
+    def samples(self, fragment: int) -> int:
+        return self.total_samples - self._synced[fragment]
+
+    def synced(self, fragment: int, samples: int) -> float:
+        """`samples` of `fragment` are in θ_global now; returns the mean loss since the last call."""
+        self._synced[fragment] += samples
+        mean_loss = self.loss_sum / max(self.steps, 1)
+        self.loss_sum, self.steps = 0.0, 0
+        self.last_mean_loss = mean_loss
+        return mean_loss
+
+    def state_dict(self) -> dict:
+        return dict(total_samples=self.total_samples, synced=list(self._synced), loss_sum=self.loss_sum,
+                    steps=self.steps, last_mean_loss=self.last_mean_loss)
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["synced"]) != len(self._synced):
+            raise ValueError(f"a contribution of {len(state['synced'])} fragments where {len(self._synced)} "
+                             "were expected")
+        self.total_samples = int(state["total_samples"])
+        self._synced = [int(s) for s in state["synced"]]
+        self.loss_sum, self.steps = float(state["loss_sum"]), int(state["steps"])
+        self.last_mean_loss = state["last_mean_loss"]
+
+
+class LocalWork:
+    """θ_local (the model's trainable parameters, trained in place by the inner loop), the contribution
+    of its inner steps, the steps run ahead into the next round and the error-feedback residual."""
+
+    def __init__(self, params: Sequence[torch.Tensor], num_fragments: int,
+                 error_feedback: Optional[ErrorFeedback] = None):
+        self.params = list(params)
+        self.num_fragments = num_fragments
+        self.contribution = Contribution(num_fragments)
+        self.steps_ahead = 0  # inner steps of the next round, run while the last round's sync was in flight
+        self.error_feedback = error_feedback
+
+    def to_send(self, indices: Sequence[int], pseudo_gradient: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What this peer sends for the fragment at `indices`: Δ, plus the residual it owes with error feedback."""
+        if self.error_feedback is None:
+            return pseudo_gradient
+        return self.error_feedback.compensate(indices, pseudo_gradient)
+
+    def sent(self, indices: Sequence[int], to_send: Sequence[torch.Tensor],
+             counted: Optional[Sequence[torch.Tensor]]) -> None:
+        """The round that sent `to_send` for the fragment at `indices` is applied, and the group counted this
+        peer's part as `counted` (None: exactly as sent, e.g. a peer alone): keep what it did not count."""
+        if self.error_feedback is not None:
+            self.error_feedback.commit(indices, to_send, to_send if counted is None else counted)
+
+    @torch.no_grad()
+    def replace_with(self, global_model, fragments: Sequence[Sequence[int]]) -> None:
+        """θ_local ← θ_global (a downloaded state), and forget every count and residual of the old θ_local."""
+        global_model.copy_to(self.params, fragments)
+        self.contribution = Contribution(self.num_fragments)
+        self.steps_ahead = 0
+        if self.error_feedback is not None:
+            self.error_feedback.reset()
+
+    def state_dict(self) -> dict:
+        """θ_local in its own dtype, on the CPU, and the rest; for a checkpoint taken between inner steps."""
+        return dict(
+            params=[p.detach().to("cpu", copy=True) for p in self.params],
+            contribution=self.contribution.state_dict(),
+            steps_ahead=self.steps_ahead,
+            error_feedback=None if self.error_feedback is None else self.error_feedback.state_dict(),
+        )
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved (shapes checked first: nothing changes on a mismatch)."""
+        saved = state["params"]
+        if len(saved) != len(self.params) or any(s.shape != p.shape for s, p in zip(saved, self.params)):
+            raise ValueError("the saved θ_local does not have this model's parameters")
+        contribution = Contribution(self.num_fragments)
+        contribution.load_state_dict(state["contribution"])
+        for p, s in zip(self.params, saved):
+            p.copy_(s)
+        self.contribution = contribution
+        self.steps_ahead = int(state["steps_ahead"])
+        if self.error_feedback is not None:
+            if state.get("error_feedback") is not None:
+                self.error_feedback.load_state_dict(state["error_feedback"])
+            else:  # saved without error feedback: nothing is owed
+                self.error_feedback.reset()

@@ -1,0 +1,59 @@
+"""What others and the user see of a peer: its status record and the progress of its inner steps.
+
+The DiLoCo loop (:mod:`p2p_diloco.train.diloco`) says what happens (a round starts, an inner step
+ends, the sync runs, a state is loading, the peer leaves); this turns it into the signed status
+record that ``p2p-diloco status`` reads (:class:`~p2p_diloco.swarm.status.StatusPublisher`) and, when
+the peer has one, the progress display (:class:`~p2p_diloco.train.display.InnerProgress`). Neither
+decides anything about averaging: the progress records that do are the loop's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from p2p_diloco.swarm import status as peer_status
+from p2p_diloco.swarm.status import StatusPublisher
+
+
+class PeerView:
+    """The status record and the optional `display` of one peer; `tokens_per_sample` is ``data.seq_len``."""
+
+    def __init__(self, status: StatusPublisher, display: Any = None, tokens_per_sample: int = 1):
+        self.status = status
+        self.display = display
+        self.tokens_per_sample = tokens_per_sample
+
+    def joined(self, **fields: Any) -> None:
+        """The first record (outer step, inner steps, data shard): stored before the progress record, so a
+        peer that sees this one's progress record sees its settings too."""
+        self.status.publish(**fields)
+
+    def round_started(self, outer_step: int, steps_per_sync: int, done: int) -> None:
+        if self.display is not None:
+            self.display.start_round(outer_step, steps_per_sync, done=done)
+
+    def inner_step(self, step_loss: float, samples: int, **status_fields: Any) -> None:
+        """One inner step ended with `step_loss` over `samples`; `status_fields` (inner steps, samples/s, the
+        recent loss) refresh the status record without a DHT store (:meth:`StatusPublisher.update`)."""
+        if self.display is not None:
+            self.display.step(step_loss, samples * self.tokens_per_sample)
+        self.status.update(**status_fields)
+
+    def syncing(self) -> None:
+        self.status.publish(phase=peer_status.SYNCING)
+        if self.display is not None:
+            self.display.syncing()
+
+    def training(self, **fields: Any) -> None:
+        self.status.publish(phase=peer_status.TRAINING, **fields)
+
+    def loading(self) -> None:
+        self.status.publish(phase=peer_status.LOADING)
+
+    def left(self) -> None:
+        self.status.publish(phase=peer_status.LEFT)
+
+    def close(self) -> None:
+        if self.display is not None:
+            self.display.close()
+        self.status.close()

@@ -1,0 +1,50 @@
+"""A round that applies nothing always says why: the swarm moved past it, or this peer is stopping.
+
+Two real DHT nodes on 127.0.0.1 with signed progress records; the round's sync reads them as a peer's would.
+Neither case reaches the all-reduce, so no averager is started.
+"""
+
+import hashlib
+import threading
+
+import pytest
+
+from p2p_diloco.swarm.node import start_run_node, visible_maddrs
+from p2p_diloco.swarm.progress import READY, TRAINING, SwarmProgress
+from p2p_diloco.train.round_sync import ROUND_STOPPED, RoundSync
+from tests.swarm_helpers import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+FINGERPRINT = hashlib.sha256(b"settings").hexdigest()
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_a_round_not_applied_names_its_reason():
+    nodes = []
+    progress = []
+    try:
+        nodes.append(start_run_node("test", "127.0.0.1", 0))
+        nodes.append(start_run_node("test", "127.0.0.1", 0, initial_peers=visible_maddrs(nodes[0].dht)))
+        progress = [SwarmProgress(n.dht, "test", 30.0, n.identity.record_subkey, FINGERPRINT) for n in nodes]
+        me = nodes[0].dht.peer_id.to_base58()
+        progress[0].publish(3, sha("mine"), READY)
+        progress[1].publish(4, sha("theirs"), TRAINING)  # the other peer applied outer step 4 already
+        wait_until(lambda: len(progress[0].fetch()) == 2, 30, "both progress records")
+
+        moved_past = RoundSync(progress[0], None, me, "direct", 10.0, threading.Event())(3, 0, [], 4, sha("mine"))
+        assert moved_past.result is None and moved_past.event == "round_skipped"
+        assert "the swarm moved past outer step 3" in moved_past.reason
+
+        stopping = threading.Event()
+        stopping.set()
+        stopped = RoundSync(progress[0], None, me, "direct", 10.0, stopping)(3, 0, [], 4, sha("mine"))
+        assert stopped.result is None and stopped.event == ROUND_STOPPED and "stopping" in stopped.reason
+    finally:
+        for p in progress:
+            p.close()
+        for node in nodes:
+            node.dht.shutdown()
