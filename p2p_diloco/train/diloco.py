@@ -146,7 +146,6 @@ class DiLoCoPeer:
         self.stream: Optional[BatchStream] = None
         self._state_lock = threading.Lock()  # guards θ_global while a joiner downloads it
         self.checkpoint_dir = cfg.swarm.checkpoint_dir or None
-        self.sha256 = self.global_model.sha256()
         self.last_group_size = 1
         self.distrusted_donors: set[str] = set()  # peers that served a malformed state
         self.settings = settings
@@ -188,8 +187,12 @@ class DiLoCoPeer:
             )
             return metadata, [t.clone() for t in self.global_model.state_tensors()]
 
+    @property
+    def sha256(self) -> str:
+        """The sha256 of this peer's global state (:meth:`GlobalModel.sha256`)."""
+        return self.global_model.sha256()
+
     def _after_state_change(self) -> None:
-        self.sha256 = self.global_model.sha256()
         # joiners download from the most advanced peer, and among those from the largest group's
         self.sync.set_state_priority(self.global_model.outer_step * 1000.0 + min(self.last_group_size, 999))
 

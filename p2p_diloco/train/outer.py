@@ -47,7 +47,10 @@ TransferFactory = Callable[[Sequence[torch.Tensor]], Transfer]  # a fragment's p
 
 
 class GlobalModel:
-    """θ_global, its outer optimizer state and the outer step counter, in one place.
+    """θ_global, its outer optimizer state, the outer step counter and the state's sha256, in one place.
+
+    θ_global and its momentum change only through :meth:`apply` and :meth:`load_state_tensors`, which is
+    what lets :meth:`sha256` hash the state once per change.
 
     `transfer_factory` makes each fragment's transfer (default :func:`~p2p_diloco.train.transfer.transfer_for`:
     flat on CUDA, direct elsewhere); the tests pass FlatTransfer to check it on a CPU."""
@@ -61,6 +64,7 @@ class GlobalModel:
         self.lr = cfg.lr
         self.momentum = cfg.momentum
         self.momentum_buffer = [torch.zeros_like(p) for p in self.params]  # b of each parameter
+        self._sha256: Optional[str] = None  # of the state as it is now; None after a change
 
     @torch.no_grad()
     def pseudo_gradient(self, local_params: Sequence[torch.Tensor], indices: Sequence[int]) -> list[torch.Tensor]:
@@ -76,6 +80,7 @@ class GlobalModel:
         for i, delta in zip(indices, mean_pseudo_gradient):
             nesterov_step_(self.params[i], self.momentum_buffer[i], delta.to(torch.float32), self.lr, self.momentum)
         self.outer_step += 1
+        self._sha256 = None
 
     @torch.no_grad()
     def copy_to(self, local_params: Sequence[torch.Tensor],
@@ -122,22 +127,26 @@ class GlobalModel:
 
     @torch.no_grad()
     def load_state_tensors(self, tensors: Sequence[torch.Tensor], outer_step: int) -> None:
-        n = len(self.params)
-        if len(tensors) != 2 * n:
-            raise ValueError(f"global state has {len(tensors)} tensors, expected {2 * n}")
-        for p, t in zip(self.params, tensors[:n]):
-            if p.shape != t.shape:
-                raise ValueError(f"global state tensor of shape {tuple(t.shape)} where {tuple(p.shape)} was expected")
-            p.copy_(t)
-        for buffer, t in zip(self.momentum_buffer, tensors[n:]):
-            if buffer.shape != t.shape:
-                raise ValueError(f"momentum tensor of shape {tuple(t.shape)} where {tuple(buffer.shape)} was expected")
-            buffer.copy_(t)
+        """θ_global then the momentum, as :meth:`state_tensors` gives them; ValueError, and nothing changed,
+        unless every shape matches."""
+        targets = self.state_tensors()
+        if len(tensors) != len(targets):
+            raise ValueError(f"global state has {len(tensors)} tensors, expected {len(targets)}")
+        for target, t in zip(targets, tensors):
+            if target.shape != t.shape:
+                raise ValueError(f"global state tensor of shape {tuple(t.shape)} where {tuple(target.shape)} "
+                                 "was expected")
+        for target, t in zip(targets, tensors):
+            target.copy_(t)
         self.outer_step = outer_step
+        self._sha256 = None
 
     def sha256(self) -> str:
-        """sha256 of the global state's fp32 bytes: θ_global then the outer momentum, in parameter order."""
-        return tensors_sha256(self.state_tensors())
+        """sha256 of the global state's fp32 bytes: θ_global then the outer momentum, in parameter order
+        (hashed at the first call after a change)."""
+        if self._sha256 is None:
+            self._sha256 = tensors_sha256(self.state_tensors())
+        return self._sha256
 
 
 @torch.no_grad()
