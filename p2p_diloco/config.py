@@ -73,10 +73,30 @@ def string_list(default: list) -> Any:
     return _spec(default, lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v), "a list of strings")
 
 
+def is_peer_id(text: Any) -> bool:
+    """Whether `text` is a libp2p peer ID in base58, as `p2p-diloco` prints them (``Qm...``): a multihash."""
+    import base58
+    import multihash
+
+    try:
+        multihash.decode(base58.b58decode(text.encode("ascii")))
+        return True
+    except Exception:  # not ASCII, not base58, or not a multihash
+        return False
+
+
+def peer_id_list(default: list) -> Any:
+    return _spec(default, lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+                 "a list of peer IDs (strings)")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = text("demo", r"[A-Za-z0-9_-]{1,64}", "1-64 letters, digits, '_' or '-' (it prefixes DHT keys)")
     seed: int = int_at_least(0, 0)
+    # a private run: the peer IDs (base58, as each peer prints them) of the only identities whose DHT records
+    # and group membership the run's peers accept (p2p_diloco.swarm.records.RunMembers); empty: a public run
+    allowed_peers: list = peer_id_list([])
 
 
 @dataclass(frozen=True)
@@ -270,8 +290,24 @@ def _check_fragments(cfg: Config) -> None:
                           f"{outer.fragments} (one fragment syncs every steps_per_outer / fragments inner steps)")
 
 
+def _check_allowed_peers(run: RunConfig) -> None:
+    for index, peer_id in enumerate(run.allowed_peers):
+        if not is_peer_id(peer_id):
+            raise ConfigError(f"config: run.allowed_peers[{index}] = {peer_id!r} is not a peer ID; copy each one "
+                              f"as its peer prints it (the part after /p2p/ of its address, e.g. QmXyZ...)")
+
+
+def check_member(cfg: Config, peer_id: str) -> None:
+    """Raise ConfigError unless a peer of identity `peer_id` may take part in the run (a private run lists it)."""
+    if cfg.run.allowed_peers and peer_id not in cfg.run.allowed_peers:
+        raise ConfigError(f"this peer's identity {peer_id} is not in run.allowed_peers of this private run: send "
+                          f"that peer ID to the run's organiser to be listed, and start again with the same "
+                          f"identity (--identity-path, or join's --state-dir)")
+
+
 def _check_consistency(cfg: Config) -> None:
     """Rules that involve more than one key."""
+    _check_allowed_peers(cfg.run)
     if cfg.model.name == "llama":
         _check_llama_sizes(cfg.model, cfg.data.seq_len)
     if cfg.data.source == "files" and not cfg.data.paths:
@@ -344,15 +380,28 @@ def shared_settings(cfg: Config, tokenizer_sha256: str) -> dict[str, Any]:
     shows in a locally trained tokenizer), and how a peer splits its batch into accumulated batches
     (only batch_size × grad_accumulation counts). Peers publish these in
     their status records, so a peer that finds the run on other settings can name the ones that differ.
+
+    A private run's allow-list counts as ``run.allowed_peers``, the sha256 of its sorted peer IDs
+    (:func:`allowed_peers_sha256`), so that peers with different lists never meet; a public run has no
+    such entry (its fingerprint is the one it had before allow-lists existed).
     """
     inner = dataclasses.asdict(cfg.inner)
     inner["samples_per_step"] = inner.pop("batch_size") * inner.pop("grad_accumulation")
     data = dataclasses.asdict(cfg.data)
     data.pop("paths")
-    sections = dict(run=dataclasses.asdict(cfg.run), model=dataclasses.asdict(cfg.model), data=data, inner=inner,
+    run = dataclasses.asdict(cfg.run)
+    allowed_peers = run.pop("allowed_peers")
+    if allowed_peers:
+        run["allowed_peers"] = allowed_peers_sha256(allowed_peers)
+    sections = dict(run=run, model=dataclasses.asdict(cfg.model), data=data, inner=inner,
                     outer=dataclasses.asdict(cfg.outer))
     flat = {f"{section}.{key}": value for section, values in sections.items() for key, value in values.items()}
     return {**flat, "tokenizer_sha256": tokenizer_sha256}
+
+
+def allowed_peers_sha256(peer_ids: list[str]) -> str:
+    """One value for a private run's allow-list, whatever the order or repetitions of its peer IDs."""
+    return hashlib.sha256("\n".join(sorted(set(peer_ids))).encode()).hexdigest()
 
 
 def settings_fingerprint(settings: Mapping[str, Any]) -> str:

@@ -237,7 +237,7 @@ def run_peer(config_path, options: PeerOptions) -> int:
     except (ConfigError, NodeAddressError, ValueError, RuntimeError) as e:
         return fail(str(e), EXIT_USAGE)
 
-    from p2p_diloco.config import settings_fingerprint
+    from p2p_diloco.config import check_member, settings_fingerprint
     from p2p_diloco.metrics import MetricsWriter
     from p2p_diloco.swarm.identity import Identity, IdentityError
     from p2p_diloco.swarm.node import start_run_node
@@ -250,6 +250,7 @@ def run_peer(config_path, options: PeerOptions) -> int:
     metrics = None  # closed on every path from here on (a TensorBoard writer runs a thread)
     try:
         identity = Identity.load_or_create(options.identity_path)
+        check_member(cfg, identity.peer_id)  # a private run that does not list it would refuse all it does
         metrics = MetricsWriter(options.metrics_file, identity.peer_id, tensorboard_dir=options.tensorboard)
         model, settings, peer_data, micro_batch_size = _prepare_training(cfg, identity.peer_id, device)
         if cfg.swarm.checkpoint_dir:  # before its export assets are rewritten for this config
@@ -262,7 +263,8 @@ def run_peer(config_path, options: PeerOptions) -> int:
         _save_export_assets(cfg, model.config, peer_data.data.tokenizer, settings_fingerprint(settings))
     children_exit_with_this_process()
     try:
-        node = start_run_node(cfg.run.name, options.host, options.port, identity, options.announce_ip, initial_peers)
+        node = start_run_node(cfg.run.name, options.host, options.port, identity, options.announce_ip, initial_peers,
+                              cfg.run.allowed_peers)
     except (NodeAddressError, ConnectionError) as e:
         metrics.close()
         return fail(str(e), EXIT_USAGE if isinstance(e, NodeAddressError) else EXIT_UNREACHABLE)

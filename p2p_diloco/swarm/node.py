@@ -97,7 +97,18 @@ def _fails_once_the_process_is_gone(call):
 class SwarmDHT(DHT):
     """hivemind's DHT, whose calls fail once its process is gone instead of hanging: a peer whose DHT
     process was killed (its service manager stops every process of the unit at once, the OOM killer)
-    must still leave within seconds."""
+    must still leave within seconds.
+
+    ``members`` holds the peer IDs of a private run whose records the node's validators alone accept
+    (:class:`~p2p_diloco.swarm.records.RunMembers`), None if it takes anyone's: the averager built on
+    this node averages with those peers alone (:mod:`p2p_diloco.sync.group_screen`).
+    """
+
+    def __init__(self, *args, record_validators: Sequence[RecordValidatorBase] = (), **kwargs):
+        from p2p_diloco.swarm.records import RunMembers
+
+        self.members = next((v.peer_ids for v in record_validators if isinstance(v, RunMembers)), None)
+        super().__init__(*args, record_validators=record_validators, **kwargs)
 
     get = _fails_once_the_process_is_gone(DHT.get)
     store = _fails_once_the_process_is_gone(DHT.store)
@@ -169,15 +180,17 @@ def start_run_node(
     identity: Identity | None = None,
     announce_ip: str | None = None,
     initial_peers: Sequence[str] = (),
+    allowed_peers: Sequence[str] = (),
 ) -> RunNode:
-    """The DHT node of a peer of run `run_name`: it signs its records, checks the run's record schema,
-    and has found out whether the swarm can dial it (a node that others cannot dial is restarted as a
-    DHT client; see the module docstring). Without `identity`, the node gets a fresh one.
+    """The DHT node of a peer of run `run_name`: it signs its records, checks the run's record schema
+    (and, in a private run, that their authors are among `allowed_peers`), and has found out whether the
+    swarm can dial it (a node that others cannot dial is restarted as a DHT client; see the module
+    docstring). Without `identity`, the node gets a fresh one.
     """
     from p2p_diloco.swarm.records import run_validators
 
     identity = identity or Identity.load_or_create(None)
-    validators = run_validators(identity, run_name)
+    validators = run_validators(identity, run_name, allowed_peers)
     dht = start_dht(host, port, identity, validators, announce_ip, initial_peers)
     helpers = [Multiaddr(maddr).value_for_protocol("p2p") for maddr in parse_initial_peers(initial_peers)]
     found = probe(dht, helpers)

@@ -19,6 +19,9 @@ with two hivemind validators (``hivemind/dht/validation.py`` says when they run)
 * :class:`LoggedSchemaValidator` (hivemind's ``SchemaValidator``): the subkey must be an owner
   marker (unsigned records are refused) and the value must match the schema below, with strict types.
 
+A private run (``run.allowed_peers``) adds a third, :class:`RunMembers`: a record of the run's keys
+(and an assistance request or run announcement naming the run) whose author is not listed is refused.
+
 A refused record never reaches the application; it is logged once per author and kind. The author
 of an accepted record is the peer whose key signed it (:func:`~p2p_diloco.swarm.identity.owner_peer_id`),
 never a peer ID written inside the value.
@@ -28,13 +31,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Dict, Iterator, Literal, Optional, Type, Union
+from typing import Dict, Iterable, Iterator, Literal, Optional, Type, Union
 
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.remote_input import (
@@ -257,14 +261,60 @@ class LoggedSchemaValidator(SchemaValidator):
         return merged
 
 
+class RunMembers(RecordValidatorBase):
+    """A private run's allow-list: refuses the records of the run that an identity not listed wrote.
+
+    The run's records are those of its own keys (progress, rounds, status) and those of the keys all
+    runs share (assistance requests, run announcements) that name the run. It runs after the signature
+    check (a forged record is refused there, as a forgery) and before the schema check, and logs once
+    per identity. A node that refuses a record refuses to store it and ignores it in a reply, so no
+    part of the peer ever reads it.
+    """
+
+    def __init__(self, run_name: str, peer_ids: Iterable[str]):
+        self.run_name = run_name
+        self.peer_ids = frozenset(peer_ids)
+        self._run_keys = {DHTID.generate(source=name).to_bytes(): name
+                          for name in (progress_key(run_name), rounds_key(run_name), status_key(run_name))}
+        self._shared_keys = {DHTID.generate(source=name).to_bytes(): name for name in (assistance_key(), runs_key())}
+
+    @property
+    def priority(self) -> int:
+        return 5  # validated in decreasing priority: after the signature (10), before the schema (0)
+
+    def _names_the_run(self, record: DHTRecord) -> bool:
+        if record.key in self._run_keys:
+            return True
+        if record.key not in self._shared_keys:
+            return False
+        try:
+            value = MSGPackSerializer.loads(record.value)
+        except Exception:  # not msgpack: the schema check refuses it
+            return False
+        return isinstance(value, dict) and value.get("run") == self.run_name
+
+    def validate(self, record: DHTRecord) -> bool:
+        if not self._names_the_run(record):
+            return True
+        author = owner_peer_id(record.subkey)
+        if author in self.peer_ids:
+            return True
+        warn_once(author or "(unsigned)", f"records of private run {self.run_name!r}",
+                  "this identity is not in run.allowed_peers")
+        return False
+
+
 def node_validators(identity: Identity) -> list[RecordValidatorBase]:
     """What every node checks, whatever run it serves (a bootstrap node knows no run)."""
     return [LoggedSignatureValidator(identity.private_key), LoggedSchemaValidator(SharedRecords, prefix=SHARED_PREFIX)]
 
 
-def run_validators(identity: Identity, run_name: str) -> list[RecordValidatorBase]:
-    """What a peer of run `run_name` checks: signatures and the schema of the run's records."""
-    return [*node_validators(identity), LoggedSchemaValidator(RunRecords, prefix=run_name)]
+def run_validators(identity: Identity, run_name: str, allowed_peers: Iterable[str] = ()) -> list[RecordValidatorBase]:
+    """What a peer of run `run_name` checks: signatures and the schema of the run's records, and in a
+    private run (`allowed_peers`, the listed peer IDs) that their authors are listed."""
+    validators = [*node_validators(identity), LoggedSchemaValidator(RunRecords, prefix=run_name)]
+    allowed_peers = frozenset(allowed_peers)
+    return [*validators, RunMembers(run_name, allowed_peers)] if allowed_peers else validators
 
 
 class RecordPublisher:

@@ -11,6 +11,11 @@ schema. A peer that sends a malformed one (or, in the all-reduce, a malformed te
 and logged once: as a leader this peer refuses its join requests, as a follower it does not ask
 to join its group, and a group that already holds it is void before any tensor is sent
 (:class:`ScreenedMatchmaking` and :meth:`GroupScreen.check_group`).
+
+A private run (``run.allowed_peers``) admits its listed peers alone, in the same three places: the
+averager's DHT node names them (:attr:`~p2p_diloco.swarm.node.SwarmDHT.members`), and any other
+identity is refused as a follower, not asked as a leader, and voids a group that holds it, before
+any tensor is sent; it is logged once per identity.
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ class MalformedGroupData(ValueError):
     """A groupmate's gathered metadata does not match the schema: the round is void."""
 
 
+class NotAMember(MalformedGroupData):
+    """A group holds a peer that the private run does not list: the round is void."""
+
+
 class NoReducer(RuntimeError):
     """No member of the group can reduce (all of them are unreachable): the round cannot run."""
 
@@ -89,11 +98,23 @@ def parse_gathered(data: bytes) -> tuple[Optional[Member], Optional[str]]:
 class GroupScreen:
     """The peers this peer refuses to average with, and the checks that put them there.
 
-    Lives in the averager's process (matchmaking and the all-reduce run there).
+    Lives in the averager's process (matchmaking and the all-reduce run there). ``members`` holds
+    the peer IDs (base58) of a private run, None in a public run: anyone may join who behaves.
     """
 
-    def __init__(self):
+    def __init__(self, members: Optional[frozenset[str]] = None):
         self.banned: set[PeerID] = set()
+        self.members = members
+
+    def refuses(self, peer_id: PeerID) -> bool:
+        """Whether `peer_id` may not average with this peer: banned, or not a member of a private run
+        (logged once per identity)."""
+        if peer_id in self.banned:
+            return True
+        if self.members is not None and peer_id.to_base58() not in self.members:
+            warn_once(peer_id.to_base58(), "a request to average", "this identity is not in run.allowed_peers")
+            return True
+        return False
 
     def ban(self, peer_id: PeerID, what: str, problem: str) -> None:
         """Never average with `peer_id` again: it sent `what`, malformed as `problem` says."""
@@ -102,7 +123,7 @@ class GroupScreen:
 
     def admits(self, peer_id: PeerID, gathered: bytes) -> bool:
         """Whether a join request from `peer_id` with this gathered data may enter our group."""
-        if peer_id in self.banned:
+        if self.refuses(peer_id):
             return False
         _, problem = parse_gathered(gathered)
         if problem is not None:
@@ -111,8 +132,12 @@ class GroupScreen:
         return True
 
     def check_group(self, group_info: GroupInfo) -> dict[PeerID, GroupMetadata]:
-        """Every member's metadata. Raises MalformedGroupData (and bans the culprits) if any is malformed,
-        and NoReducer if no member can reduce: every member would send its parts and nobody take them."""
+        """Every member's metadata. Raises NotAMember if a member is refused (:meth:`refuses`),
+        MalformedGroupData (and bans the culprits) if any is malformed, and NoReducer if no member can
+        reduce: every member would send its parts and nobody take them."""
+        refused = [peer_id.to_base58() for peer_id in group_info.peer_ids if self.refuses(peer_id)]
+        if refused:
+            raise NotAMember(f"the group holds peers this peer does not average with: {', '.join(refused)}")
         members, culprits = {}, []
         for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
             members[peer_id], problem = parse_gathered(gathered)
@@ -127,11 +152,17 @@ class GroupScreen:
 
 
 class ScreenedMatchmaking(Matchmaking):
-    """hivemind's matchmaking, which keeps banned and malformed peers out of this peer's groups."""
+    """hivemind's matchmaking, which keeps banned and malformed peers, and in a private run every
+    identity it does not list, out of this peer's groups.
 
-    def __init__(self, *args, screen: GroupScreen, **kwargs):
-        super().__init__(*args, **kwargs)
+    hivemind builds it in the averager's process with the averager's DHT node, whose ``members``
+    (a :class:`~p2p_diloco.swarm.node.SwarmDHT`'s; None for any other DHT) become the screen's.
+    """
+
+    def __init__(self, p2p, schema_hash: bytes, dht, *args, screen: GroupScreen, **kwargs):
+        super().__init__(p2p, schema_hash, dht, *args, **kwargs)
         self.screen = screen
+        self.screen.members = getattr(dht, "members", None)
 
     def _check_reasons_to_reject(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -141,6 +172,6 @@ class ScreenedMatchmaking(Matchmaking):
         return super()._check_reasons_to_reject(request, context)
 
     async def _request_join_group(self, leader: PeerID) -> Optional[GroupInfo]:
-        if leader in self.screen.banned:
+        if self.screen.refuses(leader):
             return None
         return await super()._request_join_group(leader)
