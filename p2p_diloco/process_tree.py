@@ -16,7 +16,8 @@ A stop meant for the node must reach its main process alone: Ctrl+C and `kill --
 whole process group, and a DHT process or p2pd that died of it left the main process waiting for
 answers that never came, too late to publish its last records. So each child leaves its parent's
 process group (p2pd, started by the DHT process, goes with it) and stops only when its parent says
-so, when the parent is gone, or on a SIGTERM of its own, and then takes its children along.
+so, when the parent is gone, or on a SIGTERM of its own, and then takes its children along. torch's
+shared-memory manager ignores both signals: it exits once its clients are gone.
 
 Linux only (reads /proc); elsewhere nothing is found and nothing is watched.
 """
@@ -158,6 +159,23 @@ def _child_of_this_process(_registry_key: object) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+def _start_torch_shm_manager() -> None:
+    """Start torch's shared-memory manager now (hivemind's shared tensors start it otherwise) with SIGINT
+    and SIGTERM ignored, which it keeps through exec: a service manager's stop signals every process
+    of the unit at once, and a manager dead of it made this process abort (std::terminate) when it
+    freed its next shared tensor. The manager exits by itself once its clients are gone."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may set handlers: torch starts it when first needed, as before
+    import torch
+
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        torch.UntypedStorage(1)._share_filename_cpu_()  # the file_system strategy's storage: the manager's
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 class _RegistryKey:
     """multiprocessing keeps after-fork hooks in a weak dictionary: this object keeps ours alive."""
 
@@ -173,4 +191,5 @@ def children_exit_with_this_process() -> None:
     if _watching or not os.path.isdir("/proc"):
         return
     multiprocessing.util.register_after_fork(_registry_key, _child_of_this_process)
+    _start_torch_shm_manager()
     _watching = True

@@ -180,28 +180,46 @@ def own_session_peer(processes):
             pass
 
 
-def test_stop_signal_mid_sync_to_peer_or_group(processes, own_session_peer, tmp_path):
+def signal_unit(pid: int, sig: signal.Signals) -> None:
+    """Signal a process and every process below it at once, as systemd stops a service (KillMode=control-group)."""
+    for target in [pid, *descendants(pid)]:
+        try:
+            os.kill(target, sig)
+        except ProcessLookupError:
+            pass
+
+
+def test_stop_signal_mid_sync_to_peer_group_or_unit(processes, own_session_peer, tmp_path):
     # the sync overlaps inner steps (the shipped default); each peer holds back its reduced parts for
     # 4 s in its second all-reduce, and is signalled then: mid all-reduce, with its sync in flight
     config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, outer={"sync_delay": 3}, swarm=FAST_TIMEOUTS)
     maddr = start_bootstrap(processes)
-    signal_to = {"pid": os.kill, "group": os.killpg}
+    signal_to = {"pid": os.kill, "group": os.killpg, "unit": signal_unit}
     exit_seconds = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):  # one pair of peers each, stopped together as in the issue
+    for sig in (signal.SIGTERM, signal.SIGINT):  # one group of peers each, stopped together as in the issue
         peers = {how: own_session_peer(f"{sig.name}-{how}", config, maddr, faults=PAUSE_IN_SECOND_ROUND)
                  for how in signal_to}
-        for how, (peer, metrics) in peers.items():
-            wait_until(lambda: "pausing mid all-reduce" in processes.log(peer.name), 180,
-                       f"{peer.name} to pause mid all-reduce", poll_s=0.1)
-            children = descendants(peer.pid)
-            assert children, "a peer runs its DHT and averager processes and p2pd"
+        # signalled when the last of them pauses: the whole group waits on its parts then
+        wait_until(lambda: all("pausing mid all-reduce" in processes.log(p.name) for p, _ in peers.values()), 180,
+                   f"the {sig.name} peers to pause mid all-reduce", poll_s=0.1)
+        children = {how: descendants(peer.pid) for how, (peer, _) in peers.items()}
+        assert all(children.values()), "a peer runs its DHT and averager processes and p2pd"
+        for how, (peer, _) in peers.items():
             signal_to[how](peer.pid, sig)
-            sent = time.monotonic()
-            assert peer.wait(30) == 0, processes.log(peer.name)[-3000:]
-            exit_seconds[peer.name] = round(time.monotonic() - sent, 1)
-            # torch's shared-memory manager exits as its client does, a moment after: give it that moment
-            wait_until(lambda: not any(is_running(pid) for pid in children), 5,
-                       f"the children {children} of {peer.name} to exit", poll_s=0.1)
+        sent = time.monotonic()
+
+        def all_exited() -> bool:
+            for peer, _ in peers.values():
+                if peer.poll() is not None:
+                    exit_seconds.setdefault(peer.name, round(time.monotonic() - sent, 1))
+            return all(peer.poll() is not None for peer, _ in peers.values())
+
+        wait_until(all_exited, 30, f"the {sig.name} peers to exit", poll_s=0.05)  # a hang fails here
+        for how, (peer, metrics) in peers.items():
+            assert peer.returncode == 0, processes.log(peer.name)[-3000:]
+            # torch's shared-memory manager exits as its clients do, a moment after: give it that moment
+            wait_until(lambda: not any(is_running(pid) for pid in children[how]), 5,
+                       f"the children {children[how]} of {peer.name} to exit", poll_s=0.1)
             assert read_metrics(metrics)[-1]["event"] == "exit"
             # the peer alone handled it: no child of it took the signal for its own
             assert processes.log(peer.name).count(f"received {sig.name}: leaving the swarm") == 1
