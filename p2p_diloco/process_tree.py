@@ -167,11 +167,15 @@ def _start_torch_shm_manager() -> None:
     if threading.current_thread() is not threading.main_thread():
         return  # only the main thread may set handlers: torch starts it when first needed, as before
     import torch
+    import torch.multiprocessing
 
+    strategy = torch.multiprocessing.get_sharing_strategy()
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        torch.UntypedStorage(1)._share_filename_cpu_()  # the file_system strategy's storage: the manager's
+        torch.multiprocessing.set_sharing_strategy("file_system")  # hivemind's: the one that needs the manager
+        torch.empty(1).share_memory_()
     finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
