@@ -49,7 +49,6 @@ from p2p_diloco.swarm.liveness import answering
 from p2p_diloco.swarm.node import RunNode
 from p2p_diloco.swarm.progress import LEFT, LOADING, READY, TRAINING, RoundPlan, SwarmProgress, plan_round
 from p2p_diloco.swarm.records import RecordPublisher, assistance_key
-from p2p_diloco.swarm import status as peer_status
 from p2p_diloco.swarm.status import StatusPublisher, choose_shard, read_status, settings_mismatch
 from p2p_diloco.sync.outer_sync import GroupMean, OuterSync
 from p2p_diloco.sync.state_transfer import StateExpectation, download_global_state, nobody_serves
@@ -150,11 +149,10 @@ class DiLoCoPeer:
         self.distrusted_donors: set[str] = set()  # peers that served a malformed state
         self.settings = settings
         self.fingerprint = fingerprint = settings_fingerprint(settings)
-        self.status = StatusPublisher(node.dht, cfg.run.name, node.identity.record_subkey, cfg.swarm.progress_ttl,
-                                      fingerprint=fingerprint, settings=settings, reachability=node.reachability.mode,
-                                      device=describe_device(self.inner.device))
-        self.display = display
-        self.view = PeerView(self.status, display, tokens_per_sample=cfg.data.seq_len)
+        status = StatusPublisher(node.dht, cfg.run.name, node.identity.record_subkey, cfg.swarm.progress_ttl,
+                                 fingerprint=fingerprint, settings=settings, reachability=node.reachability.mode,
+                                 device=describe_device(self.inner.device))
+        self.view = PeerView(status, display, tokens_per_sample=cfg.data.seq_len)
         self.progress = SwarmProgress(node.dht, cfg.run.name, cfg.swarm.progress_ttl, node.identity.record_subkey,
                                       fingerprint, node.reachability.mode,
                                       answering=functools.partial(answering, node.dht))
@@ -494,13 +492,11 @@ class DiLoCoPeer:
         self.stop_event.set()  # whatever ended the loop (a signal, an exception), a sync in flight stops too
         try:
             self.progress.publish(self.global_model.outer_step, self.sha256, LEFT)
-            self.status.publish(phase=peer_status.LEFT)
+            self.view.left()
         except Exception as e:  # leaving must not fail because the DHT is already unreachable
             logger.debug("could not publish the leave record: %s", e)
-        if self.display is not None:
-            self.display.close()
+        self.view.close()
         self.progress.close()
-        self.status.close()
         if self.assistance is not None:
             self.assistance.close()
         self.metrics.write("exit", outer_step=self.global_model.outer_step, global_sha256=self.sha256)
