@@ -231,7 +231,7 @@ def test_leave_stops_a_sync_in_flight():
     # and _leave waited for the sync thread, which went on averaging for minutes
     from p2p_diloco.train.diloco import DiLoCoPeer
 
-    peer = MagicMock(stop_event=threading.Event(), _sync_thread=ThreadPoolExecutor(1), display=None)
+    peer = MagicMock(stop_event=threading.Event(), _sync_thread=ThreadPoolExecutor(1))
     in_flight = peer._sync_thread.submit(peer.stop_event.wait, 60)  # a sync's waits all end on the stop event
     DiLoCoPeer._leave(peer)
     assert in_flight.result(0) is True, "_leave waited for the sync thread without stopping it"
