@@ -76,6 +76,7 @@ def average_rounds(codec: str, rounds: list[dict], samples: list[int], error_fee
         "peers": peers,
         "rounds": outcomes,
         "residuals": [ef.residual if ef is not None else None for ef in feedback],
+        "owed": owed,  # each peer's Δ of its last rounds, if they applied nothing
         "sent": [sent for sent, _ in traffic],
         "received": [received for _, received in traffic],
         # [pid, start time]: a PID alone may be a new process's by the time the test looks
@@ -132,7 +133,7 @@ def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: l
 def summary(result: dict) -> dict:
     """`result` less its tensors, for the JSON line."""
     tensors = ("means", "to_send", "counted")
-    return {**{k: v for k, v in result.items() if k not in ("rounds", "residuals")},
+    return {**{k: v for k, v in result.items() if k not in ("rounds", "residuals", "owed")},
             "rounds": [{k: v for k, v in r.items() if k not in tensors} for r in result["rounds"]]}
 
 

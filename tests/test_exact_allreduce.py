@@ -221,7 +221,8 @@ def test_error_feedback_counts_what_really_left(codec, tmp_path):
     everyone (one peer names another θ_global). Each agreed round reports, for each peer, what the
     group counted of its Δ + e: on each part (cut as the runner cuts it) the codec's round trip of what
     it sent, or, on the one peer that reduced that part, the part itself. And nothing is lost:
-    Σ counted + e_T = Σ Δ, the void round's Δ included (it stays in θ_local and goes into the next)."""
+    Σ counted + e_T = Σ Δ, the void round's Δ included (it stays in θ_local and goes into the next).
+    A round that fails for another reason (a loaded machine) is checked the same way: its Δ is owed."""
     peers, samples = 3, [16, 48, 160]
     generator = torch.Generator().manual_seed(0)
     rounds = [{"inputs": [[torch.randn(s, generator=generator) * 1e-2 for s in LARGE_SHAPES] for _ in range(peers)],
@@ -229,32 +230,38 @@ def test_error_feedback_counts_what_really_left(codec, tmp_path):
     rounds[1]["starts"][0] = "6" * 64
     result = run_case(codec, {"rounds": rounds, "samples": samples, "error_feedback": True}, tmp_path,
                       timeout_s=400)
-    agreed, void, last = result["rounds"]
-    assert agreed["errors"] == last["errors"] == [None] * peers, (agreed["errors"], last["errors"])
-    assert all("different global states" in e for e in void["errors"]), void["errors"]
+    assert all(e is not None for e in result["rounds"][1]["errors"]), result["rounds"][1]["errors"]
+    agreed = [r for r in result["rounds"] if r["errors"] == [None] * peers]
+    assert agreed, [r["errors"] for r in result["rounds"]]  # the first and last, unless the machine was too slow
 
     codec_ = CODECS[codec]
-    for round_ in (agreed, last):
-        containers = [TensorPartContainer(sent, [1.0], **part_container_settings(codec_)) for sent in round_["to_send"]]
-        counted = [TensorPartContainer(c, [1.0], **part_container_settings(codec_)) for c in round_["counted"]]
-        layout = [[part for part, _ in c._input_parts_by_peer[0]] for c in containers]
-        counted_parts = [[part for part, _ in c._input_parts_by_peer[0]] for c in counted]
+    for round_ in agreed:
+        layout = [cut_parts(sent, codec_) for sent in round_["to_send"]]
+        counted = [cut_parts(c, codec_) for c in round_["counted"]]
         for k in range(len(layout[0])):
             reduced_here = 0
             for peer in range(peers):
-                sent, got = layout[peer][k], counted_parts[peer][k]
+                sent, got = layout[peer][k], counted[peer][k]
                 if torch.equal(got, sent):
                     reduced_here += 1
                 else:
                     roundtrip = codec_.decode(codec_.encode(sent.contiguous()), sent.numel())
                     assert torch.equal(got, roundtrip), (codec, k, peer)
             assert reduced_here == 1, (codec, k, reduced_here)  # one reducer per part, and it lost nothing
-        for c in containers + counted:
-            c.finalize()
 
     for peer in range(peers):
+        owed = result["owed"][peer]
         for j in range(len(LARGE_SHAPES)):
             deltas = sum(r["inputs"][peer][j].double() for r in rounds)
-            counted = sum(r["counted"][peer][j].double() for r in (agreed, last))
-            lost = (deltas - counted - result["residuals"][peer][j].double()).abs().max().item()
+            counted = sum(r["counted"][peer][j].double() for r in result["rounds"] if r["errors"][peer] is None)
+            kept = result["residuals"][peer][j].double() + (owed[j].double() if owed is not None else 0)
+            lost = (deltas - counted - kept).abs().max().item()
             assert lost <= 1e-8, (codec, peer, j, lost)
+
+
+def cut_parts(tensors: list[torch.Tensor], codec) -> list[torch.Tensor]:
+    """`tensors` cut into parts as the runner cuts them (hivemind's TensorPartContainer, one peer)."""
+    container = TensorPartContainer(tensors, [1.0], **part_container_settings(codec))
+    parts = [part for part, _ in container._input_parts_by_peer[0]]
+    container.finalize()
+    return parts
