@@ -68,9 +68,11 @@ class Processes:
         self.orphans: list[int] = []  # children of killed processes, stopped again at the end
 
     def start(self, name: str, *args: str, env: dict | None = None, module: str = "p2p_diloco.cli",
-              netns: str | None = None) -> subprocess.Popen:
+              netns: str | None = None, new_session: bool = False) -> subprocess.Popen:
         """`python -m module *args` (the `p2p-diloco` command unless told otherwise), logging to name.log;
-        inside network namespace `netns` if given (`ip netns exec` execs it: the PID is still Python's)."""
+        inside network namespace `netns` if given (`ip netns exec` execs it: the PID is still Python's).
+        With `new_session` it leads a process group of its own, as under a service manager or a shell,
+        which a test can signal (os.killpg) without hitting pytest."""
         log = open(self.log_dir / f"{name}.log", "a")
         inside = ["ip", "netns", "exec", netns] if netns else []
         proc = subprocess.Popen(
@@ -78,6 +80,7 @@ class Processes:
             stdout=subprocess.PIPE if name.startswith("bootstrap") else log,
             # the repository on the path: `tests.hostile` runs from the test's own directory
             stderr=log, text=True, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, cwd=self.log_dir,
+            start_new_session=new_session,
         )
         proc.name = name
         self.procs.append(proc)

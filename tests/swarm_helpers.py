@@ -30,12 +30,13 @@ def tiny_config_file(directory: Path, **sections) -> Path:
 
 
 def start_peer(processes: Processes, name: str, config: Path, maddr: str, *extra: str, faults: str = "",
-               host: Host = LOOPBACK) -> Path:
-    """A `p2p-diloco peer` on `host` (loopback, or a network namespace's address); returns its metrics file."""
+               host: Host = LOOPBACK, new_session: bool = False) -> Path:
+    """A `p2p-diloco peer` on `host` (loopback, or a network namespace's address); returns its metrics file.
+    `new_session`: see :meth:`Processes.start`."""
     metrics = processes.log_dir / f"{name}.jsonl"
     processes.start(name, "peer", "--config", str(config), "--host", host.ip, "--initial-peers", maddr,
                     "--metrics-file", str(metrics), *extra, env={"P2P_DILOCO_FAULTS": faults} if faults else None,
-                    netns=host.namespace)
+                    netns=host.namespace, new_session=new_session)
     return metrics
 
 

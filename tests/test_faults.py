@@ -8,22 +8,21 @@ outer step has one θ_global across peers, no NaN, and returning peers converge 
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from p2p_diloco.metrics import read_metrics
-from p2p_diloco.process_tree import is_running, kill_tree
-from tests.conftest import REPO, TINY, descendants
+from p2p_diloco.process_tree import is_running
+from tests.conftest import TINY, descendants
 from tests.swarm_helpers import (
     FAST_TIMEOUTS, assert_consistent, hashes_by_step, last_step, outer_steps, peer_id_of, proc, start_bootstrap,
     start_peer, swarm, tiny_config_file, wait_for_steps, wait_until,
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
+
 
 def test_kill_during_inner_steps(processes, tmp_path):
     # records and the wait for groupmates last 10 minutes: only noticing that the dead peer does not
@@ -147,34 +146,10 @@ def test_clean_leave_on_sigterm(processes, tmp_path):
     assert_consistent(metrics)
 
 
-@pytest.fixture
-def own_session_peer(processes):
-    """Starts a `p2p-diloco peer` as a service manager or a shell would: leading a process group of its
-    own, which a test can signal without hitting pytest. Each group and every descendant is SIGKILLed
-    at the end."""
-    started = []
-
-    def start(name, config, maddr, faults=""):
-        metrics = processes.log_dir / f"{name}.jsonl"
-        log = open(processes.log_dir / f"{name}.log", "a")
-        peer = subprocess.Popen(
-            [sys.executable, "-m", "p2p_diloco.cli", "peer", "--config", str(config), "--host", "127.0.0.1",
-             "--initial-peers", maddr, "--metrics-file", str(metrics)],
-            stdout=log, stderr=log, text=True, cwd=processes.log_dir, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(REPO), "P2P_DILOCO_FAULTS": faults},
-        )
-        peer.name = name
-        processes.procs.append(peer)
-        started.append(peer)
-        return peer, metrics
-
-    yield start
-    for peer in started:
-        processes.orphans.extend(kill_tree(peer.pid))  # its children lead groups of their own
-        try:
-            os.killpg(peer.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def started(processes, name: str, config, maddr: str):
+    """(the process, its metrics file) of a peer in a session of its own that pauses in its second all-reduce."""
+    metrics = start_peer(processes, name, config, maddr, faults=PAUSE_IN_SECOND_ROUND, new_session=True)
+    return proc(processes, name), metrics
 
 
 def signal_unit(pid: int, sig: signal.Signals) -> None:
@@ -186,7 +161,7 @@ def signal_unit(pid: int, sig: signal.Signals) -> None:
             pass
 
 
-def test_stop_signal_mid_sync_to_peer_group_or_unit(processes, own_session_peer, tmp_path):
+def test_stop_signal_mid_sync_to_peer_group_or_unit(processes, tmp_path):
     # the sync overlaps inner steps (the shipped default); each peer holds back its reduced parts for
     # 4 s in its second all-reduce, and is signalled then: mid all-reduce, with its sync in flight
     config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, outer={"sync_delay": 3}, swarm=FAST_TIMEOUTS)
@@ -194,8 +169,8 @@ def test_stop_signal_mid_sync_to_peer_group_or_unit(processes, own_session_peer,
     signal_to = {"pid": os.kill, "group": os.killpg, "unit": signal_unit}
     exit_seconds = {}
     for sig in (signal.SIGTERM, signal.SIGINT):  # one group of peers each, stopped together as in the issue
-        peers = {how: own_session_peer(f"{sig.name}-{how}", config, maddr, faults=PAUSE_IN_SECOND_ROUND)
-                 for how in signal_to}
+        # each leads a process group of its own, as under a service manager or a shell
+        peers = {how: started(processes, f"{sig.name}-{how}", config, maddr) for how in signal_to}
         # signalled when the last of them pauses: the whole group waits on its parts then
         wait_until(lambda: all("pausing mid all-reduce" in processes.log(p.name) for p, _ in peers.values()), 180,
                    f"the {sig.name} peers to pause mid all-reduce", poll_s=0.1)
