@@ -195,6 +195,8 @@ def test_stop_signal_mid_sync_to_peer_group_or_unit(processes, tmp_path):
             assert read_metrics(metrics)[-1]["event"] == "exit"
             # the peer alone handled it: no child of it took the signal for its own
             assert processes.log(peer.name).count(f"received {sig.name}: leaving the swarm") == 1
+            # hivemind's own shutdown mid-round raised one (finalize called on a future, not on its runner)
+            assert "AttributeError" not in processes.log(peer.name), processes.log(peer.name)[-3000:]
     print("seconds from the signal to the exit:", exit_seconds)
 
 

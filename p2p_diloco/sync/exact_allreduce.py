@@ -432,6 +432,18 @@ class ExactMeanAverager(DecentralizedAverager):
         hivemind.averaging.averager.Matchmaking = functools.partial(ScreenedMatchmaking, screen=self.screen)
         super()._run_internal()
 
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        """hivemind's, except that each running group's all-reduce is cancelled through its runner: hivemind
+        1.1.12 calls ``finalize`` on the future that holds the runner, which raised an AttributeError at
+        every stop mid-round (the round is void anyway: its groupmates see this peer fail)."""
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for future in self._running_groups.values():
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().finalize(cancel=True)
+            else:
+                future.cancel()
+
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs
     ):
