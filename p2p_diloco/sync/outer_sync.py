@@ -145,7 +145,6 @@ class OuterSync:
         record_sent: bool = False,
     ):
         self.cfg = cfg
-        self.fragments = fragments or [list(range(len(shapes)))]
         self.client_mode = client_mode
         self.peer_id = dht.peer_id.to_base58()
         self.reports = RoundReports(dht, run_name, ttl=cfg.progress_ttl, record_subkey=record_subkey)
@@ -160,7 +159,7 @@ class OuterSync:
             declare_state_period=min(30.0, cfg.progress_ttl / 2),
             state_provider=state_provider,
             codec=codec,
-            fragments=self.fragments,
+            fragments=fragments,  # kept by the averager alone: its process reads them too
             record_sent=record_sent,
             **averager_timeouts(cfg),
         )
@@ -205,7 +204,7 @@ class OuterSync:
         stop: threading.Event, report_sent: bool,
     ) -> GroupMean:
         self.averager.set_group_bits(group_bits(outer_step))
-        indices = self.fragments[fragment]
+        indices = self.averager.fragments[fragment]
         with self.averager.get_tensors() as buffers:
             for i, delta in zip(indices, pseudo_gradient):
                 buffers[i].copy_(delta)
