@@ -168,8 +168,8 @@ class OuterConfig:
     momentum: float = in_range(0.9, 0.0, 0.999999)
     # how the pseudo-gradient's parts travel in the all-reduce (p2p_diloco.sync.codecs; reducers sum in fp32)
     codec: str = one_of("fp4-e3m0", *CODEC_NAMES)
-    # each peer adds the quantization error of its last sent pseudo-gradient to its next (p2p_diloco.sync.error_feedback);
-    # nothing to feed back with codec "none"
+    # each peer adds what the group did not count of its last sent pseudo-gradient to its next
+    # (p2p_diloco.train.error_feedback); nothing to feed back with codec "none"
     error_feedback: bool = boolean(True)
     # Streaming DiLoCo (arXiv 2501.18512): the transformer blocks split into this many fragments, one synced
     # every steps_per_outer / fragments inner steps (p2p_diloco.train.fragments)
