@@ -7,7 +7,10 @@
 * ``donor``: declares itself the best state donor of the run and serves the next malformed state
   of :data:`STATE_VARIANTS` to each peer that downloads from it (the same one if it asks again);
 * ``groupmate``: joins the run's averaging groups with the malformed metadata or tensors of
-  :data:`GROUPMATE_VARIANTS`, one identity per kind (an honest peer bans an identity after one offence).
+  :data:`GROUPMATE_VARIANTS`, one identity per kind (an honest peer bans an identity after one offence);
+* ``unlisted-peer``: a real ``p2p-diloco peer`` on a private run's manifest that does not list its
+  identity, with the start-up check of its own identity skipped: it publishes the run's records,
+  joins its rounds and downloads its state as a listed peer would.
 
 It prints one line per action (``wrote``, ``served``, ``identity``) and runs until SIGTERM. It uses
 hivemind directly, never the project's validators: it is what a stranger on the DHT can do.
@@ -254,7 +257,20 @@ def join_groups(args, stop: threading.Event) -> None:
             dht.shutdown()
 
 
-MODES = {"records": write_records, "donor": serve_states, "groupmate": join_groups}
+# ----- unlisted peer -----------------------------------------------------------------------------
+def run_unlisted_peer(args, stop: threading.Event) -> None:
+    """The project's own peer, minus the check that stops a peer whose identity the run does not list."""
+    import p2p_diloco.config
+    from p2p_diloco.node_runner import PeerOptions, run_peer
+
+    p2p_diloco.config.check_member = lambda cfg, peer_id: None  # run_peer imports it when it runs
+    options = PeerOptions(host="127.0.0.1", initial_peers=args.initial_peers, identity_path=args.identity_path,
+                          metrics_file=args.metrics_file, wait_for_peers=args.wait_for_peers)
+    say(f"unlisted peer exited with {run_peer(args.config, options)}")  # it stops on its own SIGTERM handler
+
+
+MODES = {"records": write_records, "donor": serve_states, "groupmate": join_groups,
+         "unlisted-peer": run_unlisted_peer}
 
 
 def main() -> None:
@@ -263,6 +279,9 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--initial-peers", nargs="+", required=True)
     parser.add_argument("--seconds-per-identity", type=float, default=15.0)
+    parser.add_argument("--identity-path", help="unlisted-peer: its identity file")
+    parser.add_argument("--metrics-file", help="unlisted-peer: its metrics file")
+    parser.add_argument("--wait-for-peers", type=int, default=1, help="unlisted-peer: as `p2p-diloco peer` takes it")
     args = parser.parse_args()
     children_exit_with_this_process()  # its DHT, averager and p2pd go when it goes, however it goes
     stop = threading.Event()

@@ -106,13 +106,13 @@ class GroupScreen:
         self.banned: set[PeerID] = set()
         self.members = members
 
-    def refuses(self, peer_id: PeerID) -> bool:
+    def refuses(self, peer_id: PeerID, what: str = "an offer to average") -> bool:
         """Whether `peer_id` may not average with this peer: banned, or not a member of a private run
-        (logged once per identity)."""
+        (logged once per identity and `what` it asked for)."""
         if peer_id in self.banned:
             return True
         if self.members is not None and peer_id.to_base58() not in self.members:
-            warn_once(peer_id.to_base58(), "a request to average", "this identity is not in run.allowed_peers")
+            warn_once(peer_id.to_base58(), what, "this identity is not in run.allowed_peers")
             return True
         return False
 
