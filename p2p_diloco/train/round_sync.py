@@ -55,7 +55,19 @@ class RoundSync:
     def __call__(self, step: int, fragment: int, to_send: list[torch.Tensor], samples: int,
                  global_sha256: str) -> SyncOutcome:
         """The group's mean of what this peer sends for `fragment` at outer step `step` (its Δ, with error
-        feedback plus the residual it owes), among the peers that hold the θ_global `global_sha256`."""
+        feedback plus the residual it owes), among the peers that hold the θ_global `global_sha256`.
+
+        Never raises for the swarm's sake: a DHT node that is gone (its process stopped with the peer's,
+        as a service manager stops every process of a unit at once) ends the round like any failure."""
+        try:
+            return self._sync(step, fragment, to_send, samples, global_sha256)
+        except ConnectionError as e:  # swarm.node's DHT calls fail so once the DHT process is gone
+            if self.stop_event.is_set():
+                return SyncOutcome(event=ROUND_STOPPED, reason=f"this peer is stopping ({e})")
+            return SyncOutcome(event="round_failed", reason=f"this peer's DHT node failed: {e}")
+
+    def _sync(self, step: int, fragment: int, to_send: list[torch.Tensor], samples: int,
+              global_sha256: str) -> SyncOutcome:
         records = self.progress.wait_for_groupmates(step, self.round_wait_timeout, self.stop_event)
         if self.stop_event.is_set():
             return SyncOutcome(event=ROUND_STOPPED, reason="this peer is stopping")
