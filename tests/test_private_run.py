@@ -159,8 +159,6 @@ def test_a_private_run_refuses_every_identity_it_does_not_list(processes, tmp_pa
         assert {r["group_size"] for r in outer_steps(path)} == {2}, outer_steps(path)
     assert all(r["group_size"] == 1 for r in outer_steps(unlisted_metrics)), outer_steps(unlisted_metrics)
     assert all(p.poll() is None for p in processes.procs), [(p.name, p.returncode) for p in processes.procs]
-    # the unlisted peer has the run's fingerprint: nothing in this project's files stops a listed peer from
-    # serving it the state (sync/outer_sync.py must refuse rpc_download_state to an unlisted peer)
+    # the unlisted peer has the run's fingerprint, but no listed peer serves it the state
     donors = {r.get("donor") for r in state_events()}
-    if donors & {a, b}:
-        pytest.xfail(f"the unlisted peer downloaded the run's state from {sorted(donors & {a, b})}")
+    assert not donors & {a, b}, f"the unlisted peer downloaded the run's state from {sorted(donors & {a, b})}"

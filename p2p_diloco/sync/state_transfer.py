@@ -130,7 +130,9 @@ class StateSharing(DecentralizedAverager):
     """Serves this peer's global state to joiners and downloads, checked, the state of others.
 
     ``state_provider`` (called in the host process when a peer downloads our state) returns
-    ``(metadata, tensors)``; it replaces hivemind's default of serving the averaged tensors.
+    ``(metadata, tensors)``; it replaces hivemind's default of serving the averaged tensors. It is
+    mixed into an averager with a group screen (``self.screen``,
+    :class:`~p2p_diloco.sync.group_screen.GroupScreen`), which decides whom the state is refused to.
     """
 
     def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], **kwargs):
@@ -144,6 +146,11 @@ class StateSharing(DecentralizedAverager):
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's, except that a peer this averager refuses to average with (its group screen: banned,
+        or not listed in a private run's run.allowed_peers) gets nothing: an empty stream, which its
+        download reads as a failed donor."""
+        if self.screen.refuses(context.remote_id, "the global state"):
+            return
         first = True
         async for message in super().rpc_download_state(request, context):
             yield message
