@@ -421,7 +421,9 @@ class ExactMeanAverager(DecentralizedAverager):
         # on first use took ~10 s on a loaded machine, inside the first round (longer than next_chunk_timeout)
         self.codec.decode(self.codec.encode(torch.ones(256)), 256)
         self.traffic = TrafficCounters()  # created before the averager process forks, so both see it
-        self.screen = GroupScreen()  # used in the averager process
+        dht = args[0] if args else kwargs.get("dht")  # hivemind's second argument
+        # used in the averager process; a private run's members known before any handler is registered
+        self.screen = GroupScreen(members=getattr(dht, "members", None))
         self.rounds_started = 0  # counted in the averager process
         self.sent = [torch.zeros_like(t, dtype=torch.float32).share_memory_() for t in tensors] if record_sent else None
         super().__init__(tensors, *args, **kwargs)
