@@ -99,8 +99,7 @@ def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: l
         ef = feedback[i]
         to_send[i] = ef.compensate(indices, delta) if ef is not None else delta
         try:
-            results[i] = syncs[i].average(to_send[i], samples[i], outer_step=step, global_sha256=round_["starts"][i],
-                                          report_sent=ef is not None)
+            results[i] = syncs[i].average(to_send[i], samples[i], outer_step=step, global_sha256=round_["starts"][i])
         except RoundFailed as e:  # reported to the test; the Δ stays owed
             owed[i], errors[i] = delta, repr(e)
             return

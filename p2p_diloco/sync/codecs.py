@@ -282,7 +282,7 @@ def _bnb_map(kind: str) -> torch.Tensor:
     The dynamic map is the wire format's own copy (:data:`_DYNAMIC_MAP_HEX`); the 4-bit maps come from
     bitsandbytes, which divides constants by their largest (one IEEE division each, the same on every CPU)."""
     if kind == "dynamic":
-        code = torch.from_numpy(np.frombuffer(bytes.fromhex("".join(_DYNAMIC_MAP_HEX)), dtype="<f4").copy())
+        code = torch.from_numpy(np.frombuffer(bytes.fromhex(_DYNAMIC_MAP_HEX), dtype="<f4").copy())
     else:
         code = _bnb_functional().get_4bit_type(kind, device="cpu").to(device="cpu", dtype=torch.float32)
     code = code.contiguous()

@@ -122,8 +122,8 @@ class OuterSync:
     `fragments` lists the tensor indices of each Streaming DiLoCo fragment (default: one of all); a
     round averages one of them, named in the gathered metadata, and the averager moves only its
     tensors. With `record_sent` the averager keeps, in shared memory, what the group counted of this
-    peer's input (one more float32 copy of the tensors: 4 bytes per parameter), and
-    ``average(..., report_sent=True)`` returns it: what error feedback, which the training loop owns,
+    peer's input (one more float32 copy of the tensors: 4 bytes per parameter), and every mean
+    :meth:`average` returns carries it as ``sent``: what error feedback, which the training loop owns,
     needs to know what the codec dropped.
 
     A peer that nobody can dial (`client_mode`) averages as hivemind's client: it sends its parts to
@@ -172,22 +172,18 @@ class OuterSync:
         global_sha256: str,
         fragment: int = 0,
         stop: Optional[threading.Event] = None,
-        report_sent: bool = False,
     ) -> GroupMean:
         """Average `fragment` of the pseudo-gradient (its tensors, in order; with error feedback, already
         compensated) with the peers at this outer step that hold the same θ_global (`global_sha256`).
 
         Returns only a mean that every groupmate holds too (see p2p_diloco.sync.commit); raises
-        RoundFailed otherwise, and then this peer must apply nothing. With `report_sent` (which needs
-        `record_sent`) the result's ``sent`` holds what the group counted of `pseudo_gradient`.
+        RoundFailed otherwise, and then this peer must apply nothing. With `record_sent` the result's
+        ``sent`` holds what the group counted of `pseudo_gradient`.
         """
-        if report_sent and self.averager.sent is None:
-            raise ValueError("report_sent needs an OuterSync made with record_sent=True")
         stop = stop or threading.Event()
         token = secrets.token_hex(8)  # names this attempt in the group's round reports
         try:
-            result = self._all_reduce(pseudo_gradient, samples, outer_step, global_sha256, fragment, token, stop,
-                                      report_sent)
+            result = self._all_reduce(pseudo_gradient, samples, outer_step, global_sha256, fragment, token, stop)
         except RoundFailed:
             self.reports.publish(outer_step, token, complete=False, mean_sha256=None)
             raise
@@ -201,7 +197,7 @@ class OuterSync:
 
     def _all_reduce(
         self, pseudo_gradient, samples: int, outer_step: int, global_sha256: str, fragment: int, token: str,
-        stop: threading.Event, report_sent: bool,
+        stop: threading.Event,
     ) -> GroupMean:
         self.averager.set_group_bits(group_bits(outer_step))
         indices = self.averager.fragments[fragment]
@@ -230,7 +226,7 @@ class OuterSync:
             raise RoundFailed("groupmates started from different global states", tensors_touched=True)
         with self.averager.get_tensors() as buffers:  # the averager writes `sent` under the same lock
             mean = [buffers[i].clone() for i in indices]
-            sent = [self.averager.sent[i].clone() for i in indices] if report_sent else None
+            sent = None if self.averager.sent is None else [self.averager.sent[i].clone() for i in indices]
         peers = {peer_id: meta for peer_id, meta in metadata.items() if meta.role == "peer"}  # assistants hold no mean
         return GroupMean(
             mean=mean,

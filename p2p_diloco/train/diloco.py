@@ -162,7 +162,7 @@ class DiLoCoPeer:
                               client_mode=not node.reachability.can_reduce, codec=cfg.outer.codec,
                               fragments=self.schedule.fragments, record_sent=error_feedback)
         self.round_sync = RoundSync(self.progress, self.sync, self.peer_id, node.reachability.mode,
-                                    cfg.swarm.round_wait_timeout, self.stop_event, report_sent=error_feedback)
+                                    cfg.swarm.round_wait_timeout, self.stop_event)
 
     def _ask_for_assistance(self, node: RunNode, fingerprint: str) -> RecordPublisher:
         """An unreachable peer asks reachable nodes to reduce for its run (see p2p_diloco.sync.assistant)."""

@@ -18,7 +18,7 @@ another error than the one made; the accumulated error then grows with the round
 The training loop owns this object; sync knows nothing of it::
 
     to_send = ef.compensate(indices, delta)           # before the round
-    result = sync.average(to_send, ..., report_sent=True)
+    result = sync.average(to_send, ...)               # an OuterSync made with record_sent=True
     ef.commit(indices, to_send, result.sent)          # only once the round is agreed
     ef.reset()                                        # when the peer loads a downloaded state
 

@@ -38,19 +38,17 @@ class SyncOutcome:
 
 class RoundSync:
     """The sync of a round toward outer step t + 1, for the peer `peer_id` (:meth:`__call__`), and whether
-    another peer has closed the round already (:meth:`round_is_closing`). With `report_sent` (error
-    feedback; `sync` made with ``record_sent``) a group's mean comes with what the group counted of
-    this peer's part."""
+    another peer has closed the round already (:meth:`round_is_closing`). With error feedback (`sync`
+    made with ``record_sent``) a group's mean comes with what the group counted of this peer's part."""
 
     def __init__(self, progress: SwarmProgress, sync: OuterSync, peer_id: str, reachability_mode: str,
-                 round_wait_timeout: float, stop_event: threading.Event, report_sent: bool = False):
+                 round_wait_timeout: float, stop_event: threading.Event):
         self.progress = progress
         self.sync = sync
         self.peer_id = peer_id
         self.reachability_mode = reachability_mode
         self.round_wait_timeout = round_wait_timeout
         self.stop_event = stop_event
-        self.report_sent = report_sent
 
     def __call__(self, step: int, fragment: int, to_send: list[torch.Tensor], samples: int,
                  global_sha256: str) -> SyncOutcome:
@@ -80,8 +78,7 @@ class RoundSync:
         if plan.action == "alone":
             return SyncOutcome(GroupMean(to_send, 1, samples, {self.peer_id: "alone"}))
         try:
-            return SyncOutcome(self.sync.average(to_send, samples, step, global_sha256, fragment, stop=self.stop_event,
-                                                 report_sent=self.report_sent))
+            return SyncOutcome(self.sync.average(to_send, samples, step, global_sha256, fragment, stop=self.stop_event))
         except RoundFailed as e:  # with what the user can do about it, where there is something
             return SyncOutcome(event="round_failed", reason=str(e) + (ASSISTANT_HINT if plan.needs_assistant else ""))
 
