@@ -155,9 +155,10 @@ class InnerConfig:
     steps_per_outer: int = int_at_least(50, 1)
 
 
-# the codecs of p2p_diloco.sync.codecs, by name: config is a leaf and imports no other layer
-# (tests/test_config.py checks that the two lists agree)
+# the codecs of p2p_diloco.sync.codecs and the aggregation rules of p2p_diloco.sync.robust, by name: config
+# is a leaf and imports no other layer (tests/test_config.py checks that the lists agree)
 CODEC_NAMES = ("none", "fp16", "bf16", "int8", "nf4", "fp4-bnb", "fp4-e3m0")
+AGGREGATION_NAMES = ("centered-clip", "trimmed-mean", "mean")
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,17 @@ class OuterConfig:
     sync_delay: int = int_at_least(5, -1)
     # θ_local ← α·θ_local + (1 − α)·θ_global for the synced fragment, once its outer step is applied
     merge_alpha: float = in_range(0.5, 0.0, 1.0)
+    # how each reducer aggregates the group's parts (p2p_diloco.sync.robust, docs/security.md): sample claims
+    # capped at the group's median, parts' norms at clip_factor × the median norm, then CenteredClip (radius
+    # clip_factor × the median distance, clip_iterations times) or a trimmed mean (trim_fraction each side);
+    # "mean" is DiLoCo's exact sample-weighted mean, with no protection against a hostile peer
+    aggregation: str = one_of("centered-clip", *AGGREGATION_NAMES)
+    clip_factor: float = _spec(2.0, lambda v: _is_num(v) and v >= 1, "a number >= 1")
+    clip_iterations: int = _spec(3, lambda v: _is_int(v) and 1 <= v <= 100, "an integer in [1, 100]")
+    trim_fraction: float = in_range(0.25, 0.0, 0.5)
+    # a round's mean g of a fragment is void on every peer if ‖g‖ > max_update_growth × max(‖b‖, ‖g_first‖)
+    # (b: the fragment's outer momentum; p2p_diloco.train.update_check); 0 disables the check
+    max_update_growth: float = non_negative(4.0)
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,24 @@ def test_config_names_exactly_the_codecs_that_exist():
     from p2p_diloco.sync.codecs import CODECS
 
     assert CODEC_NAMES == tuple(CODECS)
+
+
+def test_config_names_exactly_the_aggregation_rules_that_exist():
+    from p2p_diloco.config import AGGREGATION_NAMES
+    from p2p_diloco.sync.robust import RULES, aggregation_rule
+
+    assert AGGREGATION_NAMES == RULES
+    assert aggregation_rule(config_from_dict({}).outer).name == "centered-clip"  # on by default
+
+
+def test_the_aggregation_settings_are_checked_and_part_of_the_fingerprint(tmp_path):
+    bad = tmp_path / "bad.toml"
+    for setting, value in [("aggregation", '"median"'), ("clip_factor", "0.5"), ("clip_iterations", "0"),
+                           ("trim_fraction", "0.6"), ("max_update_growth", "-1")]:
+        bad.write_text(f"[outer]\n{setting} = {value}\n")
+        with pytest.raises(ConfigError, match=f"outer.{setting}"):
+            load_config(bad)
+    base = run_fingerprint(config_from_dict({}), "0" * 64)
+    exact = tmp_path / "exact.toml"
+    exact.write_text('[outer]\naggregation = "mean"\n')
+    assert run_fingerprint(load_config(exact), "0" * 64) != base

@@ -23,9 +23,11 @@ import torch
 
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.sync.codecs import CODECS, Bnb4BitCodec, BlockwiseInt8Codec, RawFloat32Codec, TwoByteFloatCodec
+from p2p_diloco.sync.robust import RULES, AggregationRule, aggregate
 from p2p_diloco.train.init_weights import SeededDraws, natural_log, seeded_initialisation
 from p2p_diloco.train.model import build_model, trainable_parameters
 from p2p_diloco.train.outer import GlobalModel
+from p2p_diloco.train.update_check import tensors_norm
 from p2p_diloco.metrics import read_metrics
 from tests.conftest import REPO, tiny_config
 from tests.swarm_helpers import LOOPBACK, hashes_by_step, start_bootstrap, tiny_config_file, wait_until
@@ -122,6 +124,19 @@ def decode_hashes() -> dict[str, str]:
             for name, codec in CODECS.items()}
 
 
+def aggregate_hashes() -> dict[str, str]:
+    """Each aggregation rule's result over fixed parts (one ×100, one sign-flipped, one claiming 1e9
+    samples: every clip and the trim act), with the norm the update check takes of them."""
+    draws = SeededDraws(seed=99)
+    parts = [draws.normal(DECODED_NUMEL, 0.0, 1e-2).to(torch.float32) for _ in range(5)]
+    parts[3].mul_(100.0)
+    parts[4].neg_()
+    claims = [96.0, 128.0, 128.0, 112.0, 1e9]
+    hashes = {rule: tensors_sha256([aggregate(parts, claims, AggregationRule(rule))]) for rule in RULES}
+    hashes["norm"] = repr(tensors_norm(parts))
+    return hashes
+
+
 def hashes_of_this_process() -> dict:
     torch.set_num_threads(1)
     params = initial_parameters()
@@ -130,6 +145,7 @@ def hashes_of_this_process() -> dict:
         "initial": tensors_sha256(params),
         "outer_steps": outer_step_hashes(params),
         "decode": decode_hashes(),
+        "aggregate": aggregate_hashes(),
         "log": tensors_sha256([natural_log(torch.linspace(1e-300, 1.0, 10001, dtype=torch.float64)[1:])]),
         "torch_sgd": torch_sgd_hashes(params),
         "torch_init": torch_init_hash(),
@@ -170,7 +186,7 @@ def test_torch_sgd_and_torch_init_would_differ_between_the_kernels(by_kernel):
     assert default["torch_init"] != best["torch_init"]
 
 
-@pytest.mark.parametrize("what", ["initial", "outer_steps", "log"])
+@pytest.mark.parametrize("what", ["initial", "outer_steps", "log", "aggregate"])
 def test_the_same_bits_under_each_kernel(by_kernel, what):
     assert by_kernel["default"][what] == by_kernel["best"][what]
 

@@ -18,9 +18,8 @@ from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.process_tree import command_name, is_running, kill_tree, start_ticks, wait_gone
 from p2p_diloco.sync.codecs import CODECS, bytes_per_parameter
-from p2p_diloco.sync.exact_allreduce import (
-    CodecCompression, SenderOrderReducer, part_container_settings, weighted_mean,
-)
+from p2p_diloco.sync.exact_allreduce import CodecCompression, SenderOrderReducer, part_container_settings
+from p2p_diloco.sync.robust import weighted_mean
 from tests.allreduce_case import START
 from tests.conftest import REPO
 

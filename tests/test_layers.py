@@ -1,4 +1,4 @@
-"""The package's layers import one way (docs/design.md): config and schedule are leaves; sync knows no
+"""The package's layers import one way (docs/design.md): config, schedule and fixed_order are leaves; sync knows no
 model and no training loop; swarm knows neither sync nor train."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ FORBIDDEN = {
     "config": ("swarm", "sync", "train"),
     "schedule": ("swarm", "sync", "train", "config"),
     "hashing": ("swarm", "sync", "train"),
+    "fixed_order": ("swarm", "sync", "train", "config"),
     "swarm": ("sync", "train"),
     "sync": ("train",),
 }

@@ -139,6 +139,11 @@ class AssistanceRequest(StrictModel):
     allreduce_timeout: Seconds
     next_chunk_timeout: Seconds
     codec: pydantic.constr(strict=True, regex=r"^[a-z0-9-]{1,16}$")  # of the parts (p2p_diloco.sync.codecs)
+    # how the run's reducers aggregate the parts (outer.aggregation and its parameters: p2p_diloco.sync.robust)
+    aggregation: pydantic.constr(strict=True, regex=r"^[a-z-]{1,16}$")
+    clip_factor: FiniteFloat
+    clip_iterations: pydantic.conint(strict=True, ge=1, le=100)
+    trim_fraction: FiniteFloat
     # indices into `shapes` of each Streaming DiLoCo fragment (p2p_diloco.train.fragments); None: one of all
     fragments: Optional[pydantic.conlist(pydantic.conlist(pydantic.conint(strict=True, ge=0, lt=MAX_TENSORS),
                                                            min_items=1, max_items=MAX_TENSORS),

@@ -41,6 +41,7 @@ from p2p_diloco.swarm.progress import READY, PeerProgress, agreed_sha256, read_p
 from p2p_diloco.swarm.reachability import UNREACHABLE
 from p2p_diloco.swarm.records import AssistanceRequest, assistance_key, progress_key, signed_records
 from p2p_diloco.sync.codecs import CODECS
+from p2p_diloco.sync.robust import aggregation_rule
 from p2p_diloco.sync.outer_sync import (
     SwarmAverager, averager_prefix, averager_timeouts, group_bits, round_timeout,
 )
@@ -97,6 +98,7 @@ class Assistant:
             allow_state_sharing=False,
             state_provider=lambda: ({}, []),  # it holds no state to serve
             codec=request.codec,
+            aggregation=aggregation_rule(request),
             fragments=request.fragment_indices,
             **averager_timeouts(request),
         )
@@ -149,6 +151,11 @@ def read_assistance_requests(dht: DHT) -> dict[tuple[str, str], AssistanceReques
     for author, request, _ in signed_records(dht, assistance_key(), AssistanceRequest, "assistance request"):
         if request.codec not in CODECS:
             warn_once(author, "an assistance request", f"unknown codec {request.codec!r}")
+            continue
+        try:
+            aggregation_rule(request)
+        except ValueError as e:
+            warn_once(author, "an assistance request", str(e))
             continue
         key = (request.run, request.fingerprint)
         if key not in requests or request.time > requests[key].time:

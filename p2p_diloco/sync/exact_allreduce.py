@@ -31,9 +31,11 @@ starts off the codec's block grid is coded in other blocks than the whole tensor
 a part size rounded down to a multiple of :attr:`Codec.blocksize <p2p_diloco.sync.codecs.Codec.blocksize>`
 (:func:`part_container_settings`), so every part starts on the grid.
 
-**Reducers' sums.** Each reducer's mean is :func:`weighted_mean` of the senders' parts in sender
-order, each multiply and add rounded once (:class:`SenderOrderReducer`): the same bits whichever
-sender arrives first and whatever kernel the CPU picks.
+**Reducers' results.** Each reducer's result is :func:`~p2p_diloco.sync.robust.aggregate` of the
+senders' parts in sender order under the run's rule (``outer.aggregation``: a robust mean by default,
+or DiLoCo's weighted mean), every operation rounded once in a fixed order
+(:class:`SenderOrderReducer`): the same bits whichever sender arrives first and whatever kernel the
+CPU picks. The senders' weights are the sample counts they gathered.
 
 **What the group counted.** For error feedback (Seide et al. 2014; Karimireddy et al. 2019) a peer
 must know what the group counted of its input: for each part sent to another reducer, the decoded
@@ -77,6 +79,7 @@ from hivemind.utils.asyncio import aenumerate, anext, as_aiter, attach_event_on_
 from p2p_diloco import faults
 from p2p_diloco.sync.codecs import Codec, get_codec
 from p2p_diloco.sync.group_screen import GroupScreen, MalformedGroupData, ScreenedMatchmaking
+from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule, aggregate
 
 logger = logging.getLogger(__name__)
 
@@ -148,36 +151,21 @@ def part_container_settings(codec: Codec, part_size_bytes: float = DEFAULT_PART_
     return dict(compression=compression, part_size_bytes=(values + 0.5) * bytes_per_value)
 
 
-def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """``Σᵢ wᵢ·xᵢ / Σᵢ wᵢ`` over the senders' parts in the order given, in float32, defined by IEEE
-    arithmetic alone: each product, each partial sum and the quotient rounded once.
-
-    torch's ``add_(x, alpha=w)`` is not: ATen's AVX2/AVX-512 kernels fuse it into one multiply-add
-    (one rounding), its default kernel rounds twice, so reducers on different CPUs would return
-    different bits. A plain ``add_`` rounds ``a + b`` once in every kernel. The weights (sample
-    counts, exact in float32 below 2^24) are summed in Python's float64, in the same order.
-    """
-    if not parts or len(parts) != len(weights):
-        raise ValueError(f"weighted_mean of {len(parts)} parts with {len(weights)} weights")
-    total = torch.zeros_like(parts[0], dtype=torch.float32)
-    product = torch.empty_like(total)
-    for part, weight in zip(parts, weights):
-        torch.mul(part, weight, out=product)
-        total.add_(product)
-    return total.div_(sum(weights))
-
-
 class SenderOrderReducer(TensorPartReducer):
-    """hivemind's reducer of the parts this peer averages, with a mean that is a fixed function of the
-    senders' parts: :func:`weighted_mean` in sender order.
+    """hivemind's reducer of the parts this peer averages, with a result that is a fixed function of the
+    senders' parts: :func:`~p2p_diloco.sync.robust.aggregate` under the run's `rule`, in sender order.
 
     hivemind adds each part into a running sum as it arrives (``accumulator.add_(part, alpha=w)``), so
     its result depends on which sender came first and on the CPU's kernel, and every peer copies the
     bytes of whichever it got. Here each sender's part is kept until every sender still in the round
     has sent it (one part per sender at a time; hivemind kept one sum), then reduced at once. The
     order of parts, the waiting, the bans and the end of the round are hivemind's. This is the one
-    place where the senders' parts meet: a robust aggregate would replace :func:`weighted_mean` here.
+    place where the senders' parts meet.
     """
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, rule: AggregationRule = EXACT_MEAN):
+        self.rule = rule
+        super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self):
         super().reset_accumulators()
@@ -211,8 +199,8 @@ class SenderOrderReducer(TensorPartReducer):
         if self.current_part_accumulated_from == self.num_current_senders:
             senders = sorted(self.parts_by_sender)
             # every sender of a part may have failed: then nobody waits for its mean
-            mean = weighted_mean([self.parts_by_sender[s][0] for s in senders],
-                                 [self.parts_by_sender[s][1] for s in senders]) if senders else None
+            mean = aggregate([self.parts_by_sender[s][0] for s in senders],
+                             [self.parts_by_sender[s][1] for s in senders], self.rule) if senders else None
             self.current_part_future.set_result(mean)
             self.reset_accumulators()
 
@@ -228,21 +216,22 @@ def decode_part(codec: Codec, data: bytes, shape: torch.Size, what: str) -> tupl
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose output is the averaged tensor itself, identical on every peer.
 
-    ``sender_weights`` maps each sender to its weight in the mean (the samples it gathered). If `sent`
+    ``sender_weights`` maps each sender to its weight in the mean (the samples it gathered), `rule` is how
+    the reducer aggregates the senders' parts (:mod:`p2p_diloco.sync.robust`). If `sent`
     is given (tensors shaped like `tensors`), the runner writes into it what the group counts of each
     value of this peer's input: the decoded bytes of each part it sends to another reducer, and the
     input itself on the parts it reduces; once the round has completed, every value is written.
     """
 
     def __init__(self, *, traffic: "TrafficCounters", sender_weights: dict[PeerID, float], screen: GroupScreen,
-                 codec: Codec, sent: Optional[Sequence[torch.Tensor]] = None, fault_pause_s: float = 0.0,
-                 fault_send_pause_s: float = 0.0, **kwargs):
+                 codec: Codec, rule: AggregationRule = EXACT_MEAN, sent: Optional[Sequence[torch.Tensor]] = None,
+                 fault_pause_s: float = 0.0, fault_send_pause_s: float = 0.0, **kwargs):
         kwargs.pop("compression", None)  # hivemind's averager passes its own; the run's codec replaces it
         part_size_bytes = kwargs.pop("part_size_bytes", DEFAULT_PART_SIZE_BYTES)
         super().__init__(**part_container_settings(codec, part_size_bytes), **kwargs)
         replaced = self.tensor_part_reducer  # hivemind's, built above and never used: see SenderOrderReducer
         replaced.finished.set()  # (its finalize would warn that it received nothing)
-        self.tensor_part_reducer = SenderOrderReducer(replaced.part_shapes, replaced.num_senders)
+        self.tensor_part_reducer = SenderOrderReducer(replaced.part_shapes, replaced.num_senders, rule)
         self.codec = codec
         self.sent = sent
         self._averaged_bytes: dict[int, bytes] = {}  # part index -> the averaged part this reducer sends
@@ -403,8 +392,9 @@ class ExactAllReduceRunner(AllReduceRunner):
 
 
 class ExactMeanAverager(DecentralizedAverager):
-    """A DecentralizedAverager whose ``step()`` leaves the same bytes on every peer of the group,
-    weighted by the samples each member gathered, among groupmates whose metadata passed the screen.
+    """A DecentralizedAverager whose ``step()`` leaves the same bytes on every peer of the group: the
+    `aggregation` of the members' inputs, weighted by the samples each gathered, among groupmates whose
+    metadata passed the screen.
 
     With `record_sent`, :attr:`sent` holds one shared-memory tensor per averaged tensor (made before the
     averager process forks: one more float32 copy of the tensors, 4 bytes per value): after a round
@@ -413,10 +403,12 @@ class ExactMeanAverager(DecentralizedAverager):
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], *args, codec: str = "none",
-                 fragments: Optional[list[list[int]]] = None, record_sent: bool = False, **kwargs):
+                 aggregation: AggregationRule = EXACT_MEAN, fragments: Optional[list[list[int]]] = None,
+                 record_sent: bool = False, **kwargs):
         # a round averages one fragment of the tensors (Streaming DiLoCo): the one its members gathered
         self.fragments = fragments or [list(range(len(tensors)))]
         self.codec = get_codec(codec)  # of the pseudo-gradient parts (outer.codec); the state travels in fp32
+        self.aggregation = aggregation  # how this peer reduces the parts it reduces (outer.aggregation)
         # one round trip before the averager process forks: it then holds bitsandbytes already, whose import
         # on first use took ~10 s on a loaded machine, inside the first round (longer than next_chunk_timeout)
         self.codec.decode(self.codec.encode(torch.ones(256)), 256)
@@ -475,6 +467,7 @@ class ExactMeanAverager(DecentralizedAverager):
             sender_weights={peer_id: float(meta.samples) for peer_id, meta in metadata.items()},
             screen=self.screen,
             codec=self.codec,
+            rule=self.aggregation,
             sent=None if self.sent is None else [self.sent[i] for i in self.fragments[fragment]],
             fault_pause_s=faults.allreduce_pause_s(self.rounds_started),
             fault_send_pause_s=faults.allreduce_pause_s(self.rounds_started, role="sender"),

@@ -34,6 +34,7 @@ from p2p_diloco.remote_input import parse
 from p2p_diloco.sync.commit import RoundReports
 from p2p_diloco.sync.exact_allreduce import ExactMeanAverager
 from p2p_diloco.sync.group_screen import GroupMetadata
+from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule
 from p2p_diloco.sync.state_transfer import StateSharing
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ STEP_KEY_BITS = 16  # the outer step modulo 2**16 goes into the group key
 class GroupMean:
     """The outcome of one averaging round, as this peer saw it."""
 
-    mean: list[torch.Tensor]  # the group's sample-weighted mean pseudo-gradient (fp32, CPU)
+    mean: list[torch.Tensor]  # the group's aggregate of the pseudo-gradients (fp32, CPU; outer.aggregation)
     group_size: int
     group_samples: int
     tokens: dict[str, str]  # each groupmate's peer ID -> the attempt token it announced
@@ -117,7 +118,8 @@ def round_timeout(settings) -> float:
 
 class OuterSync:
     """One averager per peer, sized like the model's trainable parameters; the parts of the
-    pseudo-gradient travel in `codec` (:mod:`p2p_diloco.sync.codecs`).
+    pseudo-gradient travel in `codec` (:mod:`p2p_diloco.sync.codecs`), and the parts this peer reduces
+    are aggregated by `aggregation` (:mod:`p2p_diloco.sync.robust`).
 
     `fragments` lists the tensor indices of each Streaming DiLoCo fragment (default: one of all); a
     round averages one of them, named in the gathered metadata, and the averager moves only its
@@ -141,6 +143,7 @@ class OuterSync:
         state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
         client_mode: bool = False,
         codec: str = "none",
+        aggregation: AggregationRule = EXACT_MEAN,
         fragments: Optional[list[list[int]]] = None,
         record_sent: bool = False,
     ):
@@ -159,6 +162,7 @@ class OuterSync:
             declare_state_period=min(30.0, cfg.progress_ttl / 2),
             state_provider=state_provider,
             codec=codec,
+            aggregation=aggregation,
             fragments=fragments,  # kept by the averager alone: its process reads them too
             record_sent=record_sent,
             **averager_timeouts(cfg),

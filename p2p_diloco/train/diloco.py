@@ -51,6 +51,7 @@ from p2p_diloco.swarm.progress import LEFT, LOADING, READY, TRAINING, RoundPlan,
 from p2p_diloco.swarm.records import RecordPublisher, assistance_key
 from p2p_diloco.swarm.status import StatusPublisher, choose_shard, read_status, settings_mismatch
 from p2p_diloco.sync.outer_sync import GroupMean, OuterSync
+from p2p_diloco.sync.robust import aggregation_rule
 from p2p_diloco.sync.state_transfer import StateExpectation, download_global_state, nobody_serves
 from p2p_diloco.train.checkpoint import check_checkpoint_settings, load_checkpoint, save_checkpoint
 from p2p_diloco.train.data import DataError, checkpointed_stream_state, order_seed
@@ -62,6 +63,7 @@ from p2p_diloco.train.model import trainable_parameters
 from p2p_diloco.train.outer import GlobalModel
 from p2p_diloco.train.peer_view import PeerView
 from p2p_diloco.train.round_sync import ROUND_STOPPED, RoundSync, SyncOutcome
+from p2p_diloco.train.update_check import ROUND_REJECTED, update_rejection
 from p2p_diloco.train.utilization import ComputeClock, RecentRate
 
 logger = logging.getLogger(__name__)
@@ -160,7 +162,8 @@ class DiLoCoPeer:
         self.sync = OuterSync(node.dht, cfg.run.name, fingerprint, node.identity.record_subkey,
                               [p.shape for p in self.local_params], cfg.swarm, state_provider=self._serve_state,
                               client_mode=not node.reachability.can_reduce, codec=cfg.outer.codec,
-                              fragments=self.schedule.fragments, record_sent=error_feedback)
+                              fragments=self.schedule.fragments, record_sent=error_feedback,
+                              aggregation=aggregation_rule(cfg.outer))
         self.round_sync = RoundSync(self.progress, self.sync, self.peer_id, node.reachability.mode,
                                     cfg.swarm.round_wait_timeout, self.stop_event)
 
@@ -173,7 +176,10 @@ class DiLoCoPeer:
                                shapes=[list(p.shape) for p in self.local_params],
                                matchmaking_time=swarm.matchmaking_time, request_timeout=swarm.request_timeout,
                                allreduce_timeout=swarm.allreduce_timeout, next_chunk_timeout=swarm.next_chunk_timeout,
-                               codec=self.cfg.outer.codec, fragments=self.schedule.fragments))
+                               codec=self.cfg.outer.codec, fragments=self.schedule.fragments,
+                               aggregation=self.cfg.outer.aggregation, clip_factor=self.cfg.outer.clip_factor,
+                               clip_iterations=self.cfg.outer.clip_iterations,
+                               trim_fraction=self.cfg.outer.trim_fraction))
         return publisher
 
     # ----- state shared with joiners -------------------------------------------------------------
@@ -290,6 +296,8 @@ class DiLoCoPeer:
         outcome, steps_while_syncing = self._sync(
             functools.partial(self.round_sync, step, fragment, to_send, samples, self.sha256))
         if outcome.result is not None:
+            outcome = self._checked(outcome, indices)
+        if outcome.result is not None:
             self._apply(outcome.result, fragment, samples, steps_while_syncing, to_send)
         else:
             self._not_applied(step, outcome)
@@ -344,6 +352,13 @@ class DiLoCoPeer:
             self.view.inner_step(loss, n, inner_steps=self.inner.steps_done, samples_per_s=self.samples_per_s.rate(),
                                  loss=self.local.contribution.recent_loss())
         return count
+
+    def _checked(self, outcome: SyncOutcome, indices: list[int]) -> SyncOutcome:
+        """The outcome, or a void round if the group's mean fails the update check (p2p_diloco.train.update_check):
+        every peer of the group decides the same."""
+        rejection = update_rejection(outcome.result.mean, [self.global_model.momentum_buffer[i] for i in indices],
+                                     [self.global_model.params[i] for i in indices], self.cfg.outer.max_update_growth)
+        return outcome if rejection is None else SyncOutcome(event=ROUND_REJECTED, reason=rejection)
 
     def _not_applied(self, step: int, outcome: SyncOutcome) -> None:
         """A round that ends without an outer step: say why; after a few in a row, say the peer is excluded.

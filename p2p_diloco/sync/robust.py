@@ -1,0 +1,176 @@
+"""What a reducer makes of the senders' parts of its shard: DiLoCo's weighted mean, or a robust mean.
+
+Every sender of a public run is a stranger, and the all-reduce's mean is what every peer applies:
+with the plain mean, one sender that sends 100·Δ, or claims 2^40 samples, moves θ_global wherever it
+likes (measured in issue 19: 3·Δ from one of 3 peers raised the held-out loss 11 %, 100·Δ ended the
+run for good). The rules here bound what any minority of senders can do to a part, in three steps:
+
+1. **Sample claims capped** at the group's median claim. Nobody can verify a claim, so a weight above
+   the median buys nothing; honest peers of a run, which run the same inner steps, claim about the
+   same (robust rules ignore claimed weights, arXiv 1902.06156, for this reason).
+2. **Norms bounded**: each sender's part is scaled down to at most ``clip_factor`` × the median of the
+   parts' norms (the "Gauntlet" of Templar, arXiv 2505.21684, clips updates to the median norm), so a
+   scaled Δ weighs like an honest one.
+3. **A robust centre** of the bounded parts:
+
+   * ``centered-clip`` (Karimireddy, He & Jaggi, arXiv 2012.10333, eq. (CC); run inside the butterfly
+     by BTARD, Gorbunov et al., arXiv 2106.11257): from the coordinate-wise median v₀,
+     ``v ← v + Σᵢ wᵢ·(xᵢ − v)·min(1, τ/‖xᵢ − v‖) / Σᵢ wᵢ``, ``clip_iterations`` times, with radius
+     ``τ = clip_factor`` × the median distance ‖xᵢ − v₀‖. A sender pulls v by at most τ·wᵢ/Σw per
+     iteration, however far it is; honest parts within τ count fully, and when all of them are
+     within τ one iteration gives their weighted mean.
+   * ``trimmed-mean``: per coordinate, the ⌈trim_fraction·n⌉ largest and smallest values dropped (at
+     most (n − 1)/2 each side, so the median is left for 3 senders), the rest averaged by weight.
+   * ``mean``: DiLoCo's exact weighted mean (:func:`weighted_mean`), with the claims as they are:
+     no protection, for trusted swarms.
+
+**The same bits on every CPU.** Every step is an element-wise IEEE operation in a fixed order, each
+scalar rounded to float32 before use, norms and medians as in :mod:`p2p_diloco.fixed_order`, and
+signed zeros made positive where a median or a sort could pick either. So any peer that holds the
+same decoded parts computes the same bytes: a second peer can recompute a reducer's result.
+
+What the rules tolerate, and what they do not (coordinated small shifts, arXiv 1902.06156), is in
+docs/security.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from p2p_diloco.fixed_order import as_float32, lower_median, norm
+
+RULES = ("centered-clip", "trimmed-mean", "mean")
+
+
+@dataclass(frozen=True)
+class AggregationRule:
+    """A run's rule for a reducer's parts (``[outer]`` settings, part of the run's fingerprint)."""
+
+    name: str = "centered-clip"
+    clip_factor: float = 2.0  # each part's norm at most this × the median norm; CenteredClip's τ likewise
+    clip_iterations: int = 3  # of CenteredClip
+    trim_fraction: float = 0.25  # of the trimmed mean, each side
+
+    def __post_init__(self):
+        if self.name not in RULES:
+            raise ValueError(f"aggregation {self.name!r}: one of {', '.join(RULES)}")
+        if not (math.isfinite(self.clip_factor) and self.clip_factor >= 1):
+            raise ValueError(f"clip_factor {self.clip_factor}: a number >= 1")
+        if self.clip_iterations < 1:
+            raise ValueError(f"clip_iterations {self.clip_iterations}: an integer >= 1")
+        if not 0 <= self.trim_fraction <= 0.5:
+            raise ValueError(f"trim_fraction {self.trim_fraction}: a number in [0, 0.5]")
+
+
+EXACT_MEAN = AggregationRule("mean")
+
+
+def aggregation_rule(settings) -> AggregationRule:
+    """The rule that `settings` name: the run's ``[outer]`` (:class:`~p2p_diloco.config.OuterConfig`), or an
+    assistance request, which carries the same four fields. ValueError if they are not a valid rule."""
+    return AggregationRule(settings.aggregation, settings.clip_factor, settings.clip_iterations,
+                           settings.trim_fraction)
+
+
+def aggregate(parts: Sequence[torch.Tensor], claims: Sequence[float], rule: AggregationRule) -> torch.Tensor:
+    """The reducer's result for one part from the senders' parts (float32, one shape) and the sample
+    counts they claimed, under `rule` (see the module's docstring). The parts are not modified."""
+    if not parts or len(parts) != len(claims):
+        raise ValueError(f"aggregate of {len(parts)} parts with {len(claims)} claims")
+    if rule.name == "mean":
+        return weighted_mean(parts, claims)
+    weights = capped_claims(claims)
+    bounded = clip_to_median_norm(parts, rule.clip_factor)
+    if rule.name == "trimmed-mean":
+        return trimmed_mean(bounded, weights, trim_count(len(parts), rule.trim_fraction))
+    return centered_clip(bounded, weights, rule.clip_factor, rule.clip_iterations)
+
+
+def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``Σᵢ wᵢ·xᵢ / Σᵢ wᵢ`` over the parts in the order given, in float32, defined by IEEE arithmetic
+    alone: each product, each partial sum and the quotient rounded once.
+
+    torch's ``add_(x, alpha=w)`` is not: ATen's AVX2/AVX-512 kernels fuse it into one multiply-add
+    (one rounding), its default kernel rounds twice, so reducers on different CPUs would return
+    different bits. A plain ``add_`` rounds ``a + b`` once in every kernel. The weights (sample
+    counts, exact in float32 below 2^24) are summed in Python's float64, in the same order.
+    """
+    if not parts or len(parts) != len(weights):
+        raise ValueError(f"weighted_mean of {len(parts)} parts with {len(weights)} weights")
+    total = torch.zeros_like(parts[0], dtype=torch.float32)
+    product = torch.empty_like(total)
+    for part, weight in zip(parts, weights):
+        torch.mul(part, weight, out=product)
+        total.add_(product)
+    return total.div_(sum(weights))
+
+
+def capped_claims(claims: Sequence[float]) -> list[float]:
+    """Each claim capped at the group's (lower) median claim."""
+    cap = lower_median(list(claims))
+    return [min(float(claim), cap) for claim in claims]
+
+
+def clip_to_median_norm(parts: Sequence[torch.Tensor], clip_factor: float) -> list[torch.Tensor]:
+    """Each part scaled down to norm ≤ clip_factor × the parts' (lower) median norm; the others as they are."""
+    norms = [norm(part) for part in parts]
+    bound = clip_factor * lower_median(norms)
+    return [part * as_float32(bound / n) if n > bound else part for part, n in zip(parts, norms)]
+
+
+def trim_count(senders: int, trim_fraction: float) -> int:
+    """How many values the trimmed mean drops at each end of a coordinate's sorted values."""
+    return min(math.ceil(trim_fraction * senders), (senders - 1) // 2)
+
+
+def _sorted_senders(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts stacked and sorted per coordinate (stable: ties keep sender order), with the sender of
+    each sorted value; −0.0 made +0.0 first, so that equal values are equal bits."""
+    stacked = torch.stack([part.reshape(-1) for part in parts]).to(torch.float32)
+    stacked = torch.where(stacked == 0, torch.zeros((), dtype=torch.float32), stacked)
+    return torch.sort(stacked, dim=0, stable=True)
+
+
+def coordinate_median(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The coordinate-wise (lower) median of the parts, shaped like a part."""
+    values, _ = _sorted_senders(parts)
+    return values[(len(parts) - 1) // 2].reshape(parts[0].shape).clone()
+
+
+def trimmed_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], trim: int) -> torch.Tensor:
+    """Per coordinate, the weighted mean of the values left once the `trim` smallest and largest are dropped."""
+    values, senders = _sorted_senders(parts)
+    kept_weights = torch.tensor(weights, dtype=torch.float32)[senders[trim:len(parts) - trim]]
+    total = torch.zeros_like(values[0])
+    weight = torch.zeros_like(values[0])
+    product = torch.empty_like(total)
+    for rank in range(values.shape[0] - 2 * trim):  # rank by rank, in order: each add rounded once
+        torch.mul(values[trim + rank], kept_weights[rank], out=product)
+        total.add_(product)
+        weight.add_(kept_weights[rank])
+    return total.div_(weight).reshape(parts[0].shape)
+
+
+def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], clip_factor: float,
+                  iterations: int) -> torch.Tensor:
+    """CenteredClip (arXiv 2012.10333, eq. (CC)) from the coordinate-wise median, radius ``clip_factor``
+    × the median distance of the parts to it; see the module's docstring."""
+    centre = coordinate_median(parts)
+    radius = clip_factor * lower_median([norm(part - centre) for part in parts])
+    total_weight = sum(weights)
+    step = torch.empty_like(centre)
+    pull = torch.empty_like(centre)
+    for _ in range(iterations):
+        step.zero_()
+        for part, weight in zip(parts, weights):
+            torch.sub(part, centre, out=pull)
+            distance = norm(pull)
+            scale = min(1.0, radius / distance) if distance > 0 else 1.0
+            pull.mul_(as_float32(weight * scale / total_weight))
+            step.add_(pull)
+        centre.add_(step)
+    return centre

@@ -1,0 +1,53 @@
+"""An outer update that cannot be right is not applied: the group's mean checked against the run's history.
+
+Robust aggregation (:mod:`p2p_diloco.sync.robust`) bounds what a minority of senders can do to the
+mean; it does not bound a reducer that returns garbage, or a group whose majority is hostile. The last
+line of defence is here, before the outer step (DiLoCo, arXiv 2311.08105, Alg. 1 line 12): the norm of
+the group's mean g on a fragment is compared with the fragment's outer momentum b, a decaying sum of
+every update the run accepted (``b ← μ·b + g``; :mod:`p2p_diloco.train.outer`):
+
+    ‖g‖ ≤ max_update_growth × ‖b‖        (once the fragment has taken an outer step)
+    ‖g‖ ≤ ‖θ_global‖ of the fragment     (its first outer step, b = 0)
+
+Honest pseudo-gradients change slowly from one outer step to the next, and ‖b‖ is at least about the
+last accepted ‖g‖ (more when successive updates agree), so the default growth of 4 leaves an honest
+run a wide margin; an update ten or a hundred times the run's recent ones is refused. Every peer that
+holds θ_global holds the same b (both are the global state, and a joiner downloads both), the group's
+mean is the same bytes on every groupmate, and the norms are computed in a fixed order
+(:mod:`p2p_diloco.fixed_order`): every peer of the group decides the same, so a refused round is void
+on all of them and nobody diverges. A run that trips the check on honest updates (the log says the
+norms) can raise ``outer.max_update_growth``; 0 turns the check off.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from p2p_diloco.fixed_order import pairwise_sum
+
+ROUND_REJECTED = "round_rejected"  # the metrics event of a round whose mean failed the check
+
+
+def tensors_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The Euclidean norm of the tensors taken together, the same bits on every CPU."""
+    return math.sqrt(sum(pairwise_sum(t.detach().to(torch.float64) ** 2) for t in tensors))
+
+
+def update_rejection(mean: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+                     params: Sequence[torch.Tensor], max_growth: float) -> Optional[str]:
+    """Why the group's mean `mean` of a fragment must not be applied, or None if it may; `momentum` and
+    `params` are that fragment's outer momentum and θ_global, `max_growth` is ``outer.max_update_growth``."""
+    if max_growth == 0:
+        return None
+    update = tensors_norm(mean)
+    history = tensors_norm(momentum)
+    if history > 0:
+        limit, basis = max_growth * history, f"{max_growth:g} × the outer momentum's norm {history:.4g}"
+    else:
+        limit, basis = tensors_norm(params), "the norm of θ_global (the fragment's first outer step)"
+    if update <= limit:  # False for a NaN too
+        return None
+    return f"the group's mean has norm {update:.4g}, above {limit:.4g} = {basis}: it cannot be an honest update"
