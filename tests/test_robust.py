@@ -3,6 +3,7 @@ on parts like a run's: honest pseudo-gradients that share a direction, plus what
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -128,3 +129,19 @@ def test_the_first_update_of_a_fragment_is_bounded_by_its_parameters():
     reason = update_rejection([torch.full((100,), 2.0)], zeros, params, max_growth=4.0)
     assert reason is not None and "first outer step" in reason
     assert tensors_norm(params) == 10.0
+
+
+def test_the_reducer_returns_the_rule_result_whatever_order_the_senders_arrive_in():
+    """hivemind's reducer protocol, as the all-reduce drives it (tests/test_exact_allreduce.py's
+    reduce_parts): the aggregate, computed in a worker thread, is the rule's, in sender order."""
+    from p2p_diloco.sync.exact_allreduce import SenderOrderReducer
+    from tests.test_exact_allreduce import reduce_parts, reducer_inputs
+
+    parts, claims = reducer_inputs()
+    parts[2] = [p * 100 for p in parts[2]]
+    rule = AggregationRule("centered-clip")
+    reducer = functools.partial(SenderOrderReducer, rule=rule)
+    results = [reduce_parts(reducer, parts, claims, order) for order in ([0, 1, 2, 3], [3, 1, 0, 2])]
+    for k, (first, second) in enumerate(zip(*results)):
+        assert torch.equal(first, second)
+        assert torch.equal(first, aggregate([p[k] for p in parts], claims, rule))

@@ -195,14 +195,35 @@ class SenderOrderReducer(TensorPartReducer):
         return await current_part_future
 
     def check_current_part_finished(self):
+        """Once every sender still in the round has sent the current part, aggregate it in a worker
+        thread (a robust rule takes tens of milliseconds per part: the event loop keeps serving the
+        streams meanwhile) and move on to the next part at once."""
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
             senders = sorted(self.parts_by_sender)
-            # every sender of a part may have failed: then nobody waits for its mean
-            mean = aggregate([self.parts_by_sender[s][0] for s in senders],
-                             [self.parts_by_sender[s][1] for s in senders], self.rule) if senders else None
-            self.current_part_future.set_result(mean)
+            parts = [self.parts_by_sender[s][0] for s in senders]
+            claims = [self.parts_by_sender[s][1] for s in senders]
+            future = self.current_part_future
+            if self.current_part_index >= self.num_parts - 1:  # hivemind's reset finalizes: it cancels the
+                self.current_part_future = asyncio.Future()   # current future, which must outlive the work
             self.reset_accumulators()
+            if not senders:  # every sender of the part failed: nobody waits for its result
+                future.set_result(None)
+                return
+            work = asyncio.get_event_loop().run_in_executor(None, aggregate, parts, claims, self.rule)
+            work.add_done_callback(functools.partial(_pass_on, future))
+
+
+def _pass_on(future: asyncio.Future, work: asyncio.Future) -> None:
+    """Give `future` the outcome of `work`, unless the round was torn down meanwhile."""
+    if future.done():
+        return
+    if work.cancelled():
+        future.cancel()
+    elif work.exception() is not None:
+        future.set_exception(work.exception())
+    else:
+        future.set_result(work.result())
 
 
 def decode_part(codec: Codec, data: bytes, shape: torch.Size, what: str) -> tuple[Optional[torch.Tensor], Optional[str]]:
