@@ -10,8 +10,11 @@ error feedback each peer sends Δ + e and commits what the group counted of it
 (:class:`~p2p_diloco.train.error_feedback.ErrorFeedback`). Peers that name different starts all fail
 their round after the all-reduce. It writes ``CASE_DIR/result.pt``: per round, each peer's mean (or
 the error it raised), group size and samples, what it sent and what the group counted of it; each
-peer's final residual; the bytes each averager sent and received. It prints the same, less the
-tensors, as one JSON line.
+peer's final residual; the bytes each averager sent and received; each peer's ID, the digests of what
+travelled in its agreed rounds (:mod:`p2p_diloco.sync.audit`) and the peers it bans at the end. It
+prints the same, less the tensors, as one JSON line. With ``"hostile_reducer": ATTACK`` in the case,
+peer 0 is a hostile reducer: its averager process forks under tests/hostile_peer.py's patch for
+ATTACK (``garbage-reducer`` or ``equivocating-reducer``), its groupmates' without it.
 
 The test asserts on the result; this process only averages. Each case runs here rather than in the
 pytest process because every case forks a DHT and an averager process per peer, and after several
@@ -21,12 +24,15 @@ started before it exits, and its children exit with it if it is killed (the test
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -34,6 +40,7 @@ from p2p_diloco import process_tree
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.swarm.node import start_run_node, visible_maddrs
+from p2p_diloco.sync.exact_allreduce import ExactAllReduceRunner
 from p2p_diloco.sync.outer_sync import OuterSync, RoundFailed
 from p2p_diloco.train.error_feedback import ErrorFeedback
 
@@ -44,7 +51,24 @@ ROUND_WAIT_S = 100.0
 START = "5" * 64  # the sha256 of the global state every peer starts from
 
 
-def average_rounds(codec: str, rounds: list[dict], samples: list[int], error_feedback: bool = False) -> dict:
+@contextlib.contextmanager
+def hostile_reducer(attack: Optional[str]):
+    """tests/hostile_peer.py's patch for reducer `attack` (none if None) while the averager process that
+    is created under it forks; the project's methods are restored after."""
+    patched = ("_encode_averaged", "_accumulate_parts_streaming")  # the seams that hostile_peer patches
+    honest = {name: ExactAllReduceRunner.__dict__[name] for name in patched}
+    if attack is not None:
+        from tests.hostile_peer import PATCHES
+        PATCHES[attack](attack)
+    try:
+        yield
+    finally:
+        for name, method in honest.items():
+            setattr(ExactAllReduceRunner, name, method)
+
+
+def average_rounds(codec: str, rounds: list[dict], samples: list[int], error_feedback: bool = False,
+                   hostile: Optional[str] = None) -> dict:
     shapes = [t.shape for t in rounds[0]["inputs"][0]]
     indices = list(range(len(shapes)))
     dhts, syncs = [], []
@@ -53,15 +77,17 @@ def average_rounds(codec: str, rounds: list[dict], samples: list[int], error_fee
     owed: list = [None] * peers  # each peer's Δ of rounds that applied nothing: it stays in θ_local
     outcomes = []
     try:
-        for _ in range(peers):
+        for i in range(peers):
             first = visible_maddrs(dhts[0]) if dhts else ()
             node = start_run_node("exact", "127.0.0.1", 0, initial_peers=first)
             dhts.append(node.dht)
-            syncs.append(OuterSync(node.dht, "exact", "f" * 64, node.identity.record_subkey, shapes, CFG,
-                                   state_provider=lambda: ({}, []), codec=codec, record_sent=error_feedback))
+            with hostile_reducer(hostile if i == 0 else None):
+                syncs.append(OuterSync(node.dht, "exact", "f" * 64, node.identity.record_subkey, shapes, CFG,
+                                       state_provider=lambda: ({}, []), codec=codec, record_sent=error_feedback))
         for step, round_ in enumerate(rounds):
             outcomes.append(average_round(syncs, feedback, owed, indices, round_, samples, step))
         traffic = [(s.averager.traffic.sent, s.averager.traffic.received) for s in syncs]
+        banned = [s.averager.banned_peers() for s in syncs]
     finally:
         # the DHT and averager processes, p2pd, torch's shared-memory manager
         children = process_tree.descendant_pids(os.getpid())
@@ -79,6 +105,8 @@ def average_rounds(codec: str, rounds: list[dict], samples: list[int], error_fee
         "owed": owed,  # each peer's Δ of its last rounds, if they applied nothing
         "sent": [sent for sent, _ in traffic],
         "received": [received for _, received in traffic],
+        "peer_ids": [d.peer_id.to_base58() for d in dhts],
+        "banned": banned,
         # [pid, start time]: a PID alone may be a new process's by the time the test looks
         "children": [[pid, process_tree.start_ticks(pid)] for pid in children],
     }
@@ -118,7 +146,10 @@ def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: l
         t.join(max(0.0, deadline - time.monotonic()))
         if t.is_alive():
             raise TimeoutError(f"peer {i}: no result within {ROUND_WAIT_S} s in round {step}")
+    digests = [s.averager.round_digests(r.tokens[s.peer_id], timeout=10) if r is not None else None
+               for s, r in zip(syncs, results)]
     return {
+        "digests": [dataclasses.asdict(d) if d is not None else None for d in digests],
         "means": [r.mean if r is not None else None for r in results],
         "mean_sha256": [tensors_sha256(r.mean) if r is not None else None for r in results],
         "group_size": [r.group_size if r is not None else None for r in results],
@@ -141,7 +172,8 @@ def main() -> None:
     # killed (on timeout), this process takes its DHT, averager and p2pd processes with it
     process_tree.children_exit_with_this_process()
     case = torch.load(case_dir / "inputs.pt")
-    result = average_rounds(codec, case["rounds"], case["samples"], case.get("error_feedback", False))
+    result = average_rounds(codec, case["rounds"], case["samples"], case.get("error_feedback", False),
+                            case.get("hostile_reducer"))
     torch.save(result, case_dir / "result.pt")
     print(json.dumps(summary(result)), flush=True)
 

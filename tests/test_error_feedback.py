@@ -16,7 +16,6 @@ from p2p_diloco.train.error_feedback import ErrorFeedback
 SHAPES = [torch.Size([60_001]), torch.Size([100, 77]), torch.Size([1001])]
 PART_SIZE_BYTES = 2**13  # small parts, so that each tensor is cut into several as a large model's are
 GROUP = 4
-THIS_PEER = 1  # this peer's place in the group: it reduces the parts of the second quarter itself
 
 
 def roundtrip(codec: Codec, tensor: torch.Tensor) -> torch.Tensor:
@@ -25,15 +24,14 @@ def roundtrip(codec: Codec, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def counted_by_group(codec: Codec, to_send: list[torch.Tensor], container_settings: dict) -> list[torch.Tensor]:
-    """What a group of GROUP peers counts of `to_send` from THIS_PEER, cut into parts by hivemind's
-    TensorPartContainer with `container_settings`: each part it sends, after the codec's round trip;
-    the parts it reduces itself, as they are."""
+    """What a group of GROUP peers counts of a peer's `to_send`, cut into parts by hivemind's
+    TensorPartContainer with `container_settings`: each part after the codec's round trip, those the
+    peer reduces itself too (a reducer aggregates the decoded bytes of every input, its own included)."""
     counted = [t.clone() for t in to_send]
     container = TensorPartContainer(counted, [1.0] * GROUP, **container_settings)
-    for peer, parts in enumerate(container._input_parts_by_peer):
-        if peer != THIS_PEER:
-            for part, _ in parts:  # views into `counted`
-                part.copy_(roundtrip(codec, part))
+    for parts in container._input_parts_by_peer:
+        for part, _ in parts:  # views into `counted`
+            part.copy_(roundtrip(codec, part))
     container.finalize()
     return counted
 
@@ -115,8 +113,7 @@ def test_accumulated_error_stays_bounded_when_the_residual_is_what_really_left(c
     """The issue's simulation: 60 rounds of a peer in a group of 4, with the project's codec and the
     runner's part cutter. What the group never counted of this peer's pseudo-gradients is its
     residual alone (Σ counted + e = Σ Δ), so it stays within one round's codec error; with the residual
-    of whole tensors it is fed back on parts that lost nothing and on other blocks than those sent,
-    and it grows round after round."""
+    of whole tensors it is fed back on other blocks than those sent, and it grows round after round."""
     rounds = 60
     now = accumulated_errors(codec, rounds, residual_of_whole_tensors=False)
     before = accumulated_errors(codec, rounds, residual_of_whole_tensors=True)

@@ -96,13 +96,35 @@ class StatusValue(StrictModel):
         return settings
 
 
+MAX_GROUP_MEMBERS = 256  # a round report names each groupmate at most once in each map (~250 bytes each)
+PeerIdText = pydantic.constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{32,64}$")  # base58, as libp2p writes it
+AUDIT_OK, WRONG_MEAN, INPUTS_DIFFER, UNAVAILABLE = "ok", "wrong mean", "inputs differ", "unavailable"
+Verdict = Literal["ok", "wrong mean", "inputs differ", "unavailable"]  # of an audit (p2p_diloco.sync.audit)
+
+
 class RoundReport(StrictModel):
-    """A peer's report on one averaging round (see :mod:`p2p_diloco.sync.commit`)."""
+    """A peer's report on one averaging round (see :mod:`p2p_diloco.sync.commit`).
+
+    ``inputs`` and ``outputs`` are what travelled, as this peer saw it (:mod:`p2p_diloco.sync.audit`):
+    for each reducer of the round (this peer included, if it reduced), the sha256 of the encoded parts
+    this peer sent it, and of the averaged parts it got back from it, all parts in order. A reducer's
+    own ``outputs`` entry is its signed statement of the averaged bytes it sent everyone. ``audits``
+    holds this peer's verdict on each reducer it audited (published again once the audit is done).
+    """
 
     outer_step: OuterStep
     token: Token
     complete: pydantic.StrictBool
     mean_sha256: Optional[Sha256Hex]
+    inputs: Dict[PeerIdText, Sha256Hex] = {}
+    outputs: Dict[PeerIdText, Sha256Hex] = {}
+    audits: Dict[PeerIdText, Verdict] = {}
+
+    @pydantic.validator("inputs", "outputs", "audits")
+    def _bounded(cls, entries):
+        if len(entries) > MAX_GROUP_MEMBERS:
+            raise ValueError(f"more than {MAX_GROUP_MEMBERS} groupmates")
+        return entries
 
 
 class RoundReportsValue(StrictModel):

@@ -22,8 +22,16 @@ matchmaking or timeouts is touched:
 **Codecs.** Parts travel in the run's codec (:mod:`p2p_diloco.sync.codecs`, ``outer.codec``): each
 sender encodes its parts, the reducer decodes them and sums in fp32, encodes each averaged part
 once, and every peer, the reducer included, decodes those same bytes. Decoding is a pure function
-of the bytes, so the result is identical on every peer with any codec. A reducer's own input part
-never travels and is summed as it is.
+of the bytes, so the result is identical on every peer with any codec. A reducer's own input parts
+never travel, but they are encoded and decoded all the same: every input a reducer aggregates is
+bytes in the codec that it can show an auditor.
+
+**What travelled is on record.** The runner records in its :class:`~p2p_diloco.sync.audit.RoundLedger`
+the digests of the parts it sends each reducer and gets back from each, and as a reducer the encoded
+parts each sender sent it, so that a groupmate can audit it (:mod:`p2p_diloco.sync.audit`). Two
+methods are the seams a hostile test peer patches: :meth:`ExactAllReduceRunner._encode_averaged`
+(a reducer that returns a wrong result to everyone) and
+:meth:`ExactAllReduceRunner._accumulate_parts_streaming` (different results to different senders).
 
 **Parts on the codec's grid.** hivemind cuts each tensor into parts of
 ``int(part_size_bytes / bytes_per_value)`` values (932,067 for the 4-bit codecs), and a part that
@@ -38,8 +46,8 @@ or DiLoCo's weighted mean), every operation rounded once in a fixed order
 CPU picks. The senders' weights are the sample counts they gathered.
 
 **What the group counted.** For error feedback (Seide et al. 2014; Karimireddy et al. 2019) a peer
-must know what the group counted of its input: for each part sent to another reducer, the decoded
-bytes it sent; for each part it reduced itself, the part itself. With ``record_sent`` the runner
+must know what the group counted of its input: for each part, the decoded bytes of its encoding
+(sent to another reducer, or aggregated by this peer itself). With ``record_sent`` the runner
 writes these into shared-memory buffers (:attr:`ExactMeanAverager.sent`) as the parts go.
 
 A round in which a reducer failed is partial: its parts keep each peer's own input (hivemind only
@@ -77,8 +85,9 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aenumerate, anext, as_aiter, attach_event_on_finished, azip
 
 from p2p_diloco import faults
+from p2p_diloco.sync.audit import ReducerAudit, RoundLedger
 from p2p_diloco.sync.codecs import Codec, get_codec
-from p2p_diloco.sync.group_screen import GroupScreen, MalformedGroupData, ScreenedMatchmaking
+from p2p_diloco.sync.group_screen import GroupMetadata, GroupScreen, MalformedGroupData, ScreenedMatchmaking
 from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule, aggregate
 
 logger = logging.getLogger(__name__)
@@ -240,8 +249,9 @@ class ExactAllReduceRunner(AllReduceRunner):
     ``sender_weights`` maps each sender to its weight in the mean (the samples it gathered), `rule` is how
     the reducer aggregates the senders' parts (:mod:`p2p_diloco.sync.robust`). If `sent`
     is given (tensors shaped like `tensors`), the runner writes into it what the group counts of each
-    value of this peer's input: the decoded bytes of each part it sends to another reducer, and the
-    input itself on the parts it reduces; once the round has completed, every value is written.
+    value of this peer's input: the decoded bytes of each part's encoding, whether it is sent to another
+    reducer or reduced here; once the round has completed, every value is written. :attr:`ledger`, when
+    the averager sets it before any part moves, records what travels (:mod:`p2p_diloco.sync.audit`).
     """
 
     def __init__(self, *, traffic: "TrafficCounters", sender_weights: dict[PeerID, float], screen: GroupScreen,
@@ -256,6 +266,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.codec = codec
         self.sent = sent
         self._averaged_bytes: dict[int, bytes] = {}  # part index -> the averaged part this reducer sends
+        self.ledger: Optional[RoundLedger] = None  # what travelled, for the round report and the audit
         self.fault_send_pause_s = fault_send_pause_s
         self.sender_weights = sender_weights
         self.screen = screen  # a groupmate that sends a malformed part is banned there
@@ -287,6 +298,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 part, info = parts[part_index]
                 counted = await loop.run_in_executor(None, self.codec.decode, message.tensor_part.buffer, part.numel())
                 self._record_sent(info, counted)  # in the event loop: never after the round is torn down
+            if self.ledger is not None:
+                self.ledger.sent_input(self.ordered_peer_ids[peer_index], message.tensor_part.buffer)
             self.traffic.add(sent=len(message.tensor_part.buffer))
             yield message
             if first and self.fault_send_pause_s:
@@ -299,14 +312,23 @@ class ExactAllReduceRunner(AllReduceRunner):
             return await self._communicate_with_remote_reducer(peer_id)
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
+        loop = asyncio.get_event_loop()
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            if self.sent is not None:  # counted as it is: it never travels
-                self._record_sent(self.tensor_part_container._input_parts_by_peer[peer_index][part_index][1],
-                                  tensor_part)
+            # like every sender's part, through the codec: the reducer aggregates bytes it can show an auditor
+            own = await loop.run_in_executor(None, self.codec.encode, tensor_part.reshape(-1).contiguous())
+            counted = (await loop.run_in_executor(None, self.codec.decode, own, tensor_part.numel())
+                       ).reshape(tensor_part.shape)
+            if self.sent is not None:
+                self._record_sent(self.tensor_part_container._input_parts_by_peer[peer_index][part_index][1], counted)
+            if self.ledger is not None:
+                self.ledger.sent_input(peer_id, own)
+                self.ledger.received_input(peer_id, part_index, own)
             averaged_part = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, tensor_part, weight=self.sender_weights[peer_id]
+                sender_index, part_index, counted, weight=self.sender_weights[peer_id]
             )
             encoded = await self._encode_averaged(part_index, averaged_part)
+            if self.ledger is not None:
+                self.ledger.received_output(peer_id, encoded)
             decoded = self.codec.decode(encoded, averaged_part.numel()).reshape(averaged_part.shape)
             self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
 
@@ -342,6 +364,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if problem is not None:
                     self.screen.ban(peer_id, "a malformed averaged part", problem)
                     raise AllreduceException(f"{peer_id} sent a malformed averaged part: {problem}")
+                if self.ledger is not None:
+                    self.ledger.received_output(peer_id, msg.tensor_part.buffer)
                 self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
                 part_index += 1
             if part_index != num_parts:
@@ -393,6 +417,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     self.screen.ban(sender, "a malformed all-reduce part", problem)
                     self.bad_input = f"{sender} sent a malformed part: {problem}"
                     break
+                if self.ledger is not None:
+                    self.ledger.received_input(sender, parts_reduced, msg.tensor_part.buffer)
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, parts_reduced, tensor_part, weight=self.sender_weights[sender]
@@ -412,10 +438,11 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
-class ExactMeanAverager(DecentralizedAverager):
+class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
     """A DecentralizedAverager whose ``step()`` leaves the same bytes on every peer of the group: the
     `aggregation` of the members' inputs, weighted by the samples each gathered, among groupmates whose
-    metadata passed the screen.
+    metadata passed the screen. What travelled in its last rounds is kept for the audit of reducers
+    (:class:`~p2p_diloco.sync.audit.ReducerAudit`).
 
     With `record_sent`, :attr:`sent` holds one shared-memory tensor per averaged tensor (made before the
     averager process forks: one more float32 copy of the tensors, 4 bytes per value): after a round
@@ -494,6 +521,8 @@ class ExactMeanAverager(DecentralizedAverager):
             fault_send_pause_s=faults.allreduce_pause_s(self.rounds_started, role="sender"),
             **kwargs,
         )
+        runner.ledger = round_ledger(runner, metadata)
+        self.keep_ledger(runner.ledger)
         logger.info("all-reduce started: group of %d (%s)", len(group_info.peer_ids),
                     ", ".join(peer.to_base58()[-8:] for peer in group_info.peer_ids))
         self._running_groups[group_id].set_result(runner)
@@ -511,3 +540,16 @@ class ExactMeanAverager(DecentralizedAverager):
                 f"{failed} of {runner.tensor_part_container.total_size} values were not averaged "
                 f"(a reducer failed); this peer's result differs from the group's"
             )
+
+
+def round_ledger(runner: ExactAllReduceRunner, metadata: dict[PeerID, GroupMetadata]) -> RoundLedger:
+    """An empty record of what will travel in `runner`'s round, before any part moves: the members'
+    tokens and weights from their gathered `metadata`, each reducer's parts as this peer cuts them."""
+    container = runner.tensor_part_container
+    return RoundLedger.for_round(
+        runner.peer_id, metadata[runner.peer_id].token,
+        {peer_id: meta.token for peer_id, meta in metadata.items() if meta.role == "peer"},
+        runner.ordered_peer_ids, runner.sender_peer_ids, runner.sender_weights,
+        {peer_id: [part.numel() for part, _ in container._input_parts_by_peer[index]]
+         for index, peer_id in enumerate(runner.ordered_peer_ids)},
+    )

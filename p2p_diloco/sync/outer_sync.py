@@ -31,7 +31,9 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.remote_input import parse
-from p2p_diloco.sync.commit import RoundReports
+from p2p_diloco.swarm.records import AUDIT_OK, RoundReport
+from p2p_diloco.sync.audit import RoundDigests
+from p2p_diloco.sync.commit import RoundReports, Void
 from p2p_diloco.sync.exact_allreduce import ExactMeanAverager
 from p2p_diloco.sync.group_screen import GroupMetadata
 from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule
@@ -51,7 +53,7 @@ class GroupMean:
     group_samples: int
     tokens: dict[str, str]  # each groupmate's peer ID -> the attempt token it announced
     # the fragment's tensors as the group counted them in `mean` (this peer's input after the codec's
-    # round trip, exact on the parts it reduced itself), when asked for: what error feedback subtracts
+    # round trip, on the parts it reduced itself too), when asked for: what error feedback subtracts
     sent: Optional[list[torch.Tensor]] = None
 
     @property
@@ -180,24 +182,59 @@ class OuterSync:
         """Average `fragment` of the pseudo-gradient (its tensors, in order; with error feedback, already
         compensated) with the peers at this outer step that hold the same θ_global (`global_sha256`).
 
-        Returns only a mean that every groupmate holds too (see p2p_diloco.sync.commit); raises
-        RoundFailed otherwise, and then this peer must apply nothing. With `record_sent` the result's
-        ``sent`` holds what the group counted of `pseudo_gradient`.
+        Returns only a mean that every groupmate holds too (see p2p_diloco.sync.commit) and whose every
+        reducer passed its audit (p2p_diloco.sync.audit); raises RoundFailed otherwise, and then this peer
+        must apply nothing. A reducer that this peer's own observation convicts (it sent this peer other
+        averaged bytes than it states it sent everyone, or this peer's audit found its result wrong) is
+        banned from this peer's groups. With `record_sent` the result's ``sent`` holds what the group
+        counted of `pseudo_gradient`: the codec's round trip of each of its parts.
         """
         stop = stop or threading.Event()
         token = secrets.token_hex(8)  # names this attempt in the group's round reports
         try:
             result = self._all_reduce(pseudo_gradient, samples, outer_step, global_sha256, fragment, token, stop)
+            digests = self.averager.round_digests(token, timeout=self.cfg.commit_timeout)
+            if digests is None:
+                raise RoundFailed("the averager holds no record of what travelled in the round", tensors_touched=True)
         except RoundFailed:
             self.reports.publish(outer_step, token, complete=False, mean_sha256=None)
             raise
         mean_sha256 = tensors_sha256(result.mean)
-        self.reports.publish(outer_step, token, complete=True, mean_sha256=mean_sha256)
+        report = dict(complete=True, mean_sha256=mean_sha256, inputs=digests.inputs, outputs=digests.outputs)
+        self.reports.publish(outer_step, token, **report)
         groupmates = {pid: tok for pid, tok in result.tokens.items() if pid != self.peer_id}
-        void = self.reports.agree(outer_step, groupmates, mean_sha256, self.cfg.commit_timeout, stop)
+        void, reports = self.reports.agree(outer_step, groupmates, mean_sha256, self.cfg.commit_timeout, stop,
+                                           received=digests.outputs)
+        if void is not None and void.culprit is not None:
+            self.averager.ban(void.culprit, "different averaged parts to different peers", void.reason)
+        void = void or self._audit(outer_step, token, digests, reports, report, stop)
         if void is not None:
             raise RoundFailed(f"round void: {void}", tensors_touched=True)
         return result
+
+    def _audit(self, outer_step: int, token: str, digests: RoundDigests, reports: dict[str, RoundReport],
+               report: dict, stop: threading.Event) -> Optional[Void]:
+        """Audit the reducers this peer audits, publish the verdicts, and wait for every other auditor's:
+        None if every reducer of the round passed (see p2p_diloco.sync.audit), else why the round is void.
+
+        The audit is bounded by ``commit_timeout``, and the wait for the other auditors by twice that
+        (their audit and their report)."""
+        timeout = self.cfg.commit_timeout
+        mine = sorted(reducer for reducer, auditor in digests.auditors.items() if auditor == self.peer_id)
+        verdicts = {}
+        for reducer in mine:
+            stated = {sender: (digests.inputs if sender == self.peer_id else reports[sender].inputs).get(reducer)
+                      for sender in digests.tokens}
+            verdicts[reducer], detail = self.averager.audit(token, reducer, stated, timeout)
+            if verdicts[reducer] != AUDIT_OK:
+                logger.warning("audit of reducer %s: %s (%s)", reducer, verdicts[reducer], detail)
+        if verdicts:
+            self.reports.publish(outer_step, token, **report, audits=verdicts)
+        failed = next((reducer for reducer in mine if verdicts[reducer] != AUDIT_OK), None)
+        if failed is not None:
+            return Void(f"this peer's audit of reducer {failed[-8:]} found: {verdicts[failed]}")
+        others = {reducer: auditor for reducer, auditor in digests.auditors.items() if auditor != self.peer_id}
+        return self.reports.audited(outer_step, digests.tokens, others, 2 * timeout, stop) if others else None
 
     def _all_reduce(
         self, pseudo_gradient, samples: int, outer_step: int, global_sha256: str, fragment: int, token: str,

@@ -1,0 +1,340 @@
+"""Reducers are checked: what travelled in a round is on record, and a second member recomputes each
+reducer's result.
+
+In the butterfly all-reduce each part has one author, its reducer, and every member copies the
+bytes that reducer sends (:mod:`p2p_diloco.sync.exact_allreduce`). Agreement on the mean's sha256
+(:mod:`p2p_diloco.sync.commit`) shows that everyone got the same bytes, not that they are right, and
+when they are not the same it does not say whose fault that is. So:
+
+* **What travelled is on record.** Every input of a reducer is bytes in the run's codec, its own
+  parts included (they are encoded and decoded like everyone's). In each round every member keeps a
+  :class:`RoundLedger` (in the averager process): the sha256 of the encoded parts it sent each
+  reducer and of the averaged parts it got back from each, all parts in order (for itself, its own
+  encoded parts and its own encoded results), and as a reducer the encoded parts each sender sent it,
+  for the last :data:`KEPT_ROUNDS` rounds. The digests go into its signed round report (``inputs``,
+  ``outputs``: :class:`~p2p_diloco.swarm.records.RoundReport`).
+* **A reducer that sends different bytes to different members is pinned.** Its own report states
+  the digest of what it sent (its ``outputs`` entry for itself). A member that got other bytes
+  voids the round and bans it (:func:`~p2p_diloco.sync.commit.judge`): its own observation against
+  the reducer's own signed word, so no groupmate can frame a reducer this way.
+* **Each reducer's result is audited.** Once every report agrees, each reducer is audited by one
+  other member (:func:`auditors`: a rotation of the sorted peer IDs by a seed every member computes
+  from the round's tokens). The auditor fetches from the reducer (:meth:`ReducerAudit.rpc_audit_inputs`,
+  which answers its auditor in that round alone) the encoded parts each sender sent it, checks them
+  against each sender's reported digest, recomputes every part with the reducer's own function
+  (:func:`~p2p_diloco.sync.robust.aggregate`, a fixed function of the decoded parts) and compares
+  with the averaged bytes it received, whose digest is the reducer's signed statement
+  (:func:`check_reducer`). Its verdict goes into its report; every member waits for every verdict
+  before it applies the round, and anything but "ok" voids it. A wrong result gets the reducer
+  banned by its auditor.
+
+What this does not stop:
+
+* A hostile auditor can void rounds (a false verdict, or none): denial of service, never a wrong
+  mean applied nor an honest reducer banned by an honest member (the auditor bans on its own list).
+* A hostile reducer audited by a hostile member passes a wrong result; it is then bounded by the
+  robust aggregation of the other reducers' parts only where it is not the reducer, and by the
+  check of the update before it is applied (:mod:`p2p_diloco.train.update_check`). The seed is the
+  sha256 of the gathered tokens, and a group's leader gathers its own token last: a hostile leader
+  can pick among the n − 1 rotations, so with one colluding identity in the group it can be audited
+  by it.
+* With a lossy codec, encoding is not reproducible across CPUs (:mod:`p2p_diloco.sync.codecs`), so
+  where the auditor's own encoding differs from the reducer's bytes it accepts bytes that decode
+  within the codec's error bound of the recomputed result: a hostile reducer can move each value of
+  its parts by up to that bound (with ``none`` the check is bit-exact).
+* When the bytes a reducer serves for a sender do not match that sender's digest, either may lie:
+  the round is void and nobody is banned. A hostile reducer can thus void its rounds unpunished,
+  never pass a wrong result.
+* Assistants (:mod:`p2p_diloco.sync.assistant`) are not audited and audit nobody: they publish no
+  round report to state their results in, and they reduce only when every peer is unreachable, when
+  no peer could serve an audit anyway. A run that relies on assistants trusts the node that runs
+  them (the bootstrap node); different bytes from an assistant still void the round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterable, Optional, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import anext
+
+from p2p_diloco.remote_input import warn_once
+from p2p_diloco.swarm.records import AUDIT_OK, INPUTS_DIFFER, UNAVAILABLE, WRONG_MEAN
+from p2p_diloco.sync.codecs import Codec
+from p2p_diloco.sync.robust import AggregationRule, aggregate
+
+logger = logging.getLogger(__name__)
+
+KEPT_ROUNDS = 2  # a reducer keeps the inputs of its last rounds for their auditors
+
+
+def auditors(tokens: dict[str, str], reducers: Iterable[str]) -> dict[str, str]:
+    """reducer -> its auditor, among the members of `tokens` (peer ID -> the attempt token it gathered).
+
+    Every member computes the same: with the members' peer IDs sorted and ``seed`` the sha256 of
+    their sorted tokens, the auditor of member i is member (i + 1 + seed mod (n − 1)) mod n, never
+    the reducer itself. Reducers that are not members (assistants) are not audited.
+    """
+    members = sorted(tokens)
+    if len(members) < 2:
+        return {}
+    seed = int.from_bytes(hashlib.sha256(",".join(sorted(tokens.values())).encode()).digest(), "big")
+    shift = 1 + seed % (len(members) - 1)
+    return {reducer: members[(members.index(reducer) + shift) % len(members)]
+            for reducer in sorted(set(reducers)) if reducer in tokens}
+
+
+def digest(parts: Iterable[bytes]) -> str:
+    """The sha256 of parts in order, as the round reports state it."""
+    hasher = hashlib.sha256()
+    for part in parts:
+        hasher.update(part)
+    return hasher.hexdigest()
+
+
+@dataclass(frozen=True)
+class RoundDigests:
+    """What travelled in a round, for this peer's round report (peer IDs in base58)."""
+
+    inputs: dict[str, str]  # reducer -> sha256 of the encoded parts this peer sent it
+    outputs: dict[str, str]  # reducer -> sha256 of the averaged parts this peer got from it
+    auditors: dict[str, str]  # reducer -> its auditor
+    tokens: dict[str, str]  # member (role "peer") -> its attempt token
+
+
+@dataclass
+class RoundLedger:
+    """What travelled in one all-reduce round, as this peer saw it (kept in the averager process).
+
+    The runner (:class:`~p2p_diloco.sync.exact_allreduce.ExactAllReduceRunner`) records every part as
+    it goes; parts of one stream go in order, so each reducer's digests are of all its parts in order.
+    """
+
+    peer_id: PeerID
+    token: str  # this peer's attempt token: names the round
+    tokens: dict[PeerID, str]  # each member of role "peer" -> its token (assistants are not in it)
+    senders: list[PeerID]  # in sender order: the order of the reducer's aggregate
+    weights: list[float]  # each sender's weight (the samples it gathered), in sender order
+    part_numels: dict[PeerID, list[int]]  # reducer -> the values of each of its parts
+    auditors: dict[PeerID, PeerID]  # reducer -> its auditor
+    _sent: dict[PeerID, Any] = field(default_factory=dict)  # reducer -> sha256 of the parts sent it, so far
+    _received: dict[PeerID, Any] = field(default_factory=dict)  # reducer -> sha256 of its averaged parts, so far
+    kept_outputs: dict[PeerID, list[bytes]] = field(default_factory=dict)  # of the reducers this peer audits
+    inputs: dict[PeerID, list[bytes]] = field(default_factory=dict)  # as a reducer: each sender's parts, in order
+
+    @classmethod
+    def for_round(cls, peer_id: PeerID, token: str, tokens: dict[PeerID, str], ordered_peer_ids: Sequence[PeerID],
+                  senders: Sequence[PeerID], weights: dict[PeerID, float],
+                  part_numels: dict[PeerID, list[int]]) -> "RoundLedger":
+        reducers = [p for p in ordered_peer_ids if part_numels.get(p)]
+        by_name = {p.to_base58(): p for p in ordered_peer_ids}
+        assigned = auditors({p.to_base58(): t for p, t in tokens.items()}, [r.to_base58() for r in reducers])
+        return cls(peer_id, token, dict(tokens), list(senders),
+                   [weights[s] for s in senders], dict(part_numels),
+                   {by_name[r]: by_name[a] for r, a in assigned.items()})
+
+    def sent_input(self, reducer: PeerID, data: bytes) -> None:
+        """This peer sent `reducer` its next encoded part."""
+        self._sent.setdefault(reducer, hashlib.sha256()).update(data)
+
+    def received_output(self, reducer: PeerID, data: bytes) -> None:
+        """`reducer` sent this peer its next averaged part (this peer's own, for its own parts)."""
+        self._received.setdefault(reducer, hashlib.sha256()).update(data)
+        if self.auditors.get(reducer) == self.peer_id:
+            self.kept_outputs.setdefault(reducer, []).append(bytes(data))
+
+    def received_input(self, sender: PeerID, part_index: int, data: bytes) -> None:
+        """As a reducer: `sender` sent its encoded part `part_index` (parts of one sender come in order)."""
+        parts = self.inputs.setdefault(sender, [])
+        if part_index == len(parts):
+            parts.append(bytes(data))
+
+    def digests(self) -> RoundDigests:
+        return RoundDigests(
+            inputs={r.to_base58(): h.hexdigest() for r, h in self._sent.items()},
+            outputs={r.to_base58(): h.hexdigest() for r, h in self._received.items()},
+            auditors={r.to_base58(): a.to_base58() for r, a in self.auditors.items()},
+            tokens={p.to_base58(): t for p, t in self.tokens.items()},
+        )
+
+
+def check_reducer(codec: Codec, rule: AggregationRule, part_numels: Sequence[int], senders: Sequence[str],
+                  weights: Sequence[float], inputs: dict[str, list[bytes]], input_digests: dict[str, Optional[str]],
+                  outputs: Sequence[bytes]) -> tuple[str, str]:
+    """(verdict, detail) on a reducer's results `outputs` (its averaged parts, as sent), from the encoded
+    parts `inputs` it says each sender sent it (sender -> parts in order) and the digests the senders
+    state of them (`input_digests`).
+
+    Each part is recomputed as the reducer computes it: the senders' decoded parts in sender order,
+    :func:`~p2p_diloco.sync.robust.aggregate` under `rule` with the senders' `weights`. Verdicts:
+    "inputs differ" (a sender's parts are not what it states it sent, or do not decode: the reducer
+    or the sender lies), "wrong mean" (a result is not the recomputed one), "ok". The auditor's own
+    encoding of a result may differ from the reducer's on another CPU (:mod:`p2p_diloco.sync.codecs`):
+    bytes that decode within the codec's error bound of the recomputed result are then accepted.
+    """
+    for sender in senders:
+        if digest(inputs.get(sender, ())) != input_digests.get(sender):
+            return INPUTS_DIFFER, f"the parts it holds from {sender[-8:]} are not those that sender states it sent"
+    if len(outputs) != len(part_numels):  # this peer's own record of the round is short: nobody to blame
+        return UNAVAILABLE, f"this peer kept {len(outputs)} of the reducer's {len(part_numels)} averaged parts"
+    for index, numel in enumerate(part_numels):
+        try:
+            parts = [codec.decode(inputs[sender][index], numel) for sender in senders]
+        except (ValueError, IndexError) as e:
+            return INPUTS_DIFFER, f"part {index} of a sender does not decode: {e}"
+        result = aggregate(parts, list(weights), rule)
+        if codec.encode(result) == outputs[index]:
+            continue
+        try:
+            sent = codec.decode(outputs[index], numel)
+        except ValueError as e:
+            return WRONG_MEAN, f"averaged part {index} does not decode: {e}"
+        off = int((sent - result).abs().gt(codec.error_bound(result)).sum())
+        if off:
+            return WRONG_MEAN, f"averaged part {index}: {off} of {numel} values are not the {rule.name} of the inputs"
+    return AUDIT_OK, ""
+
+
+class ReducerAudit(DecentralizedAverager):
+    """The averager's side of the checks on reducers (see the module's docstring).
+
+    The ledgers of the last :data:`KEPT_ROUNDS` rounds live in the averager process, keyed by this
+    peer's attempt token; the host process reaches them through hivemind's control pipe
+    (:meth:`round_digests`, :meth:`audit`, :meth:`ban`), as :mod:`p2p_diloco.sync.state_transfer` does.
+    It is mixed into an averager with a codec (``self.codec``), an aggregation rule
+    (``self.aggregation``) and a group screen (``self.screen``).
+    """
+
+    def __init__(self, *args, **kwargs):
+        self._ledgers: OrderedDict[str, RoundLedger] = OrderedDict()  # the averager process's own copy is used
+        super().__init__(*args, **kwargs)
+
+    def keep_ledger(self, ledger: RoundLedger) -> None:
+        """Keep `ledger` (averager process), and only the last :data:`KEPT_ROUNDS`."""
+        self._ledgers[ledger.token] = ledger
+        while len(self._ledgers) > KEPT_ROUNDS:
+            self._ledgers.popitem(last=False)
+
+    def _call(self, method: str, wait_s: float, **kwargs):
+        """Run coroutine `method` in the averager process; its result, or None if none came within `wait_s`."""
+        future = MPFuture()
+        self._outer_pipe.send((method, [], dict(future=future, **kwargs)))
+        try:
+            return future.result(timeout=wait_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return None
+
+    def round_digests(self, token: str, timeout: float) -> Optional[RoundDigests]:
+        """What travelled in this peer's round `token` (None if the averager holds no such round)."""
+        return self._call("_round_digests", wait_s=timeout, token=token)
+
+    async def _round_digests(self, future: MPFuture, token: str) -> None:
+        ledger = self._ledgers.get(token)
+        future.set_result(None if ledger is None else ledger.digests())
+
+    def ban(self, peer_id: str, what: str, problem: str, timeout: float = 5.0) -> None:
+        """Ban `peer_id` (base58) from this peer's groups: the ban list lives in the averager process."""
+        self._call("_ban", wait_s=timeout, peer_id=peer_id, what=what, problem=problem)
+
+    async def _ban(self, future: MPFuture, peer_id: str, what: str, problem: str) -> None:
+        self.screen.ban(PeerID.from_base58(peer_id), what, problem)
+        future.set_result(True)
+
+    def banned_peers(self, timeout: float = 5.0) -> Optional[list[str]]:
+        """The peers (base58) this averager refuses to average with, sorted (None if it did not answer)."""
+        return self._call("_banned_peers", wait_s=timeout)
+
+    async def _banned_peers(self, future: MPFuture) -> None:
+        future.set_result(sorted(peer_id.to_base58() for peer_id in self.screen.banned))
+
+    def audit(self, token: str, reducer: str, input_digests: dict[str, Optional[str]],
+              timeout: float) -> tuple[str, str]:
+        """(verdict, detail) of this peer's audit of `reducer` (base58) in its round `token`, given what
+        each sender states it sent the reducer (sender -> sha256); a reducer found wrong is banned here.
+        The fetch and the recomputation are bounded by `timeout`; past it the verdict is "unavailable"."""
+        outcome = self._call("_audit", wait_s=timeout + 5.0, token=token, reducer=reducer, input_digests=input_digests,
+                             timeout=timeout)
+        return outcome if outcome is not None else (UNAVAILABLE, f"no verdict from the averager in {timeout:.0f} s")
+
+    async def _audit(self, future: MPFuture, token: str, reducer: str, input_digests: dict[str, Optional[str]],
+                     timeout: float) -> None:
+        try:
+            ledger = self._ledgers.get(token)
+            reducer_id = PeerID.from_base58(reducer)
+            if ledger is None or ledger.auditors.get(reducer_id) != self.peer_id:
+                future.set_result((UNAVAILABLE, "this peer does not audit that reducer in that round"))
+                return
+            try:
+                inputs = await asyncio.wait_for(self._fetch_inputs(ledger, reducer_id), timeout)
+            except Exception as e:  # a broken stream, a timeout, a refusal
+                future.set_result((UNAVAILABLE, f"could not fetch the reducer's inputs: {e!r}"))
+                return
+            senders = [s.to_base58() for s in ledger.senders]
+            verdict = await asyncio.get_event_loop().run_in_executor(
+                None, check_reducer, self.codec, self.aggregation, ledger.part_numels[reducer_id], senders,
+                ledger.weights, dict(zip(senders, inputs)), input_digests, ledger.kept_outputs.get(reducer_id, []))
+            if verdict[0] == WRONG_MEAN:
+                self.screen.ban(reducer_id, "a wrong all-reduce result", verdict[1])
+            future.set_result(verdict)
+        except BaseException as e:
+            if not future.done():
+                future.set_result((UNAVAILABLE, f"the audit failed: {e!r}"))
+            if not isinstance(e, Exception):
+                raise
+
+    async def _fetch_inputs(self, ledger: RoundLedger, reducer: PeerID) -> list[list[bytes]]:
+        """The encoded parts `reducer` holds from each sender of `ledger`'s round, in sender order. Each
+        message is bounded by the size of a part in the codec (a longer one ends the fetch)."""
+        sizes = [self.codec.encoded_size(numel) for numel in ledger.part_numels[reducer]]
+        chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+        stub = self.get_stub(self._p2p, reducer, namespace=self.prefix)
+        request = averaging_pb2.DownloadData(metadata=ledger.tokens[reducer].encode())
+        stream = await stub.rpc_audit_inputs(request)
+        inputs = []
+        try:
+            for _ in ledger.senders:
+                parts = []
+                for size in sizes:
+                    message = await asyncio.wait_for(anext(stream), chunk_timeout)
+                    if len(message.tensor_part.buffer) > size:
+                        raise ValueError(f"the reducer sent a part of {len(message.tensor_part.buffer)} bytes, "
+                                         f"at most {size} expected")
+                    parts.append(message.tensor_part.buffer)
+                inputs.append(parts)
+        finally:
+            await stream.aclose()  # this end closes the stream: the reducer's handler may now return
+        return inputs
+
+    async def rpc_audit_inputs(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """The encoded parts this peer received as a reducer in its round named by the request's token
+        (``metadata``), sender by sender in sender order, each sender's parts in order. Only to this
+        peer's auditor in that round (a groupmate, by the rule every member computes): the others'
+        pseudo-gradients go to nobody else; nothing for a round this peer no longer keeps.
+
+        Like the all-reduce's handler (:meth:`ExactAllReduceRunner.rpc_aggregate_part
+        <p2p_diloco.sync.exact_allreduce.ExactAllReduceRunner.rpc_aggregate_part>`), it keeps the stream
+        open once it has sent everything, until the auditor closes it (at most ``next_chunk_timeout``):
+        a stream closed by this end may lose its last bytes in transit."""
+        ledger = self._ledgers.get(request.metadata.decode("ascii", errors="replace"))
+        if ledger is None:  # an old round, or a made-up token: its auditor's verdict is "unavailable"
+            return
+        if ledger.auditors.get(self.peer_id) != context.remote_id:
+            warn_once(context.remote_id.to_base58(), "a request for the inputs of a round it does not audit")
+            return
+        for sender in ledger.senders:
+            for part in ledger.inputs.get(sender, ()):
+                yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=part))
+        await asyncio.sleep(self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout)

@@ -1,0 +1,193 @@
+"""Reducers are checked (p2p_diloco.sync.audit): who audits whom, the commit's verdict on what each
+member saw, the auditor's recomputation on a real reducer's parts, and real all-reduce rounds among
+in-process averagers: an honest round's record of what travelled, a reducer that returns a wrong
+result to everyone (caught by its auditor, who bans it) and one that sends different results to
+different members (each member it lied to bans it)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from p2p_diloco.swarm.records import AUDIT_OK, INPUTS_DIFFER, WRONG_MEAN, RoundReport
+from p2p_diloco.sync.audit import auditors, check_reducer, digest
+from p2p_diloco.sync.codecs import CODECS
+from p2p_diloco.sync.commit import judge
+from p2p_diloco.sync.exact_allreduce import SenderOrderReducer
+from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule
+from tests.allreduce_case import START
+from tests.test_exact_allreduce import cut_parts, reduce_parts, run_case
+
+PEERS = [f"Qm{c * 44}" for c in "abcdefg"]  # base58 peer IDs, sorted as written
+SHA = {name: hashlib.sha256(name.encode()).hexdigest() for name in ("mean", "other", "sent", "lie")}
+
+
+def tokens_of(peers: list[str], salt: str = "") -> dict[str, str]:
+    return {p: hashlib.sha256((p + salt).encode()).hexdigest()[:16] for p in peers}
+
+
+@pytest.mark.parametrize("members", [2, 3, 7])
+def test_every_reducer_is_audited_by_another_member_the_same_on_every_member(members):
+    tokens = tokens_of(PEERS[:members])
+    assigned = auditors(tokens, PEERS[:members])
+    assert sorted(assigned) == PEERS[:members]
+    assert all(auditor != reducer and auditor in tokens for reducer, auditor in assigned.items())
+    assert sorted(assigned.values()) == PEERS[:members]  # a rotation: each member audits exactly one reducer
+    # whatever order a member holds the group in
+    assert auditors(dict(reversed(tokens.items())), list(reversed(PEERS[:members]))) == assigned
+    # a reducer that is no member (an assistant) is not audited; a member that reduces nothing is not either
+    assert auditors(tokens, [PEERS[0], "Qm" + "z" * 44]) == {PEERS[0]: assigned[PEERS[0]]}
+
+
+def test_the_rotation_follows_the_rounds_tokens():
+    rotations = {auditors(tokens_of(PEERS, salt=str(i)), PEERS)[PEERS[0]] for i in range(40)}
+    assert len(rotations) == len(PEERS) - 1  # every other member audits the first one in some round
+
+
+def report(mean: str = SHA["mean"], complete: bool = True, **fields) -> RoundReport:
+    return RoundReport(outer_step=3, token="0" * 16, complete=complete, mean_sha256=mean if complete else None,
+                       **fields)
+
+
+def test_a_reducer_whose_statement_differs_from_what_this_peer_received_is_the_culprit():
+    reducer, other = PEERS[1], PEERS[2]
+    received = {PEERS[0]: SHA["mean"], reducer: SHA["sent"]}
+    reports = {reducer: report(outputs={reducer: SHA["lie"]}), other: report(mean=SHA["other"])}
+    void, final = judge(reports, {reducer, other}, SHA["mean"], received)
+    assert final and void.culprit == reducer and "different values to different peers" in void.reason
+    # a reducer that states nothing of what it sent is its own culprit too
+    void, final = judge({reducer: report()}, {reducer, other}, SHA["mean"], received)
+    assert final and void.culprit == reducer
+
+
+def test_a_different_mean_waits_for_every_report_so_that_one_may_name_its_cause():
+    reducer, other = PEERS[1], PEERS[2]
+    received = {reducer: SHA["sent"]}
+    honest = report(outputs={reducer: SHA["sent"]})
+    void, final = judge({other: report(mean=SHA["other"])}, {reducer, other}, SHA["mean"], received)
+    assert not final and void.culprit is None and "different mean" in void.reason
+    void, final = judge({other: report(mean=SHA["other"]), reducer: honest}, {reducer, other}, SHA["mean"], received)
+    assert final and void.culprit is None  # nobody this peer can convict: the round is void, nobody banned
+    void, final = judge({other: report(), reducer: honest}, {reducer, other}, SHA["mean"], received)
+    assert final and void is None
+    void, final = judge({other: report(complete=False)}, {reducer, other}, SHA["mean"], received)
+    assert final and "incomplete" in void.reason and void.culprit is None
+
+
+def reducer_case(codec_name: str, senders: int = 4):
+    """A reducer's parts from `senders` senders, encoded: (codec, numels, sender names, weights, inputs)."""
+    codec = CODECS[codec_name]
+    generator = np.random.default_rng(5)
+    numels = [1000, 64, 333]
+    names = PEERS[:senders]
+    inputs = {name: [codec.encode(torch.from_numpy((generator.standard_normal(n) * 10.0 ** -s).astype(np.float32)))
+                     for n in numels] for s, name in enumerate(names)}
+    return codec, numels, names, [16.0, 48.0, 160.0, 3.0][:senders], inputs
+
+
+def honest_outputs(codec, numels, names, weights, inputs, rule: AggregationRule) -> list[bytes]:
+    """What a real SenderOrderReducer of `rule` returns on the decoded inputs, encoded as its runner does."""
+    decoded = [[codec.decode(inputs[name][k], n) for k, n in enumerate(numels)] for name in names]
+    results = reduce_parts(functools.partial(SenderOrderReducer, rule=rule), decoded, weights, list(range(len(names))))
+    return [codec.encode(result) for result in results]
+
+
+@pytest.mark.parametrize("rule", [EXACT_MEAN, AggregationRule("centered-clip"), AggregationRule("trimmed-mean")],
+                         ids=lambda rule: rule.name)
+@pytest.mark.parametrize("codec_name", ["none", "fp4-e3m0"])
+def test_the_audit_recomputes_what_the_reducer_computed(codec_name, rule):
+    codec, numels, names, weights, inputs = reducer_case(codec_name)
+    outputs = honest_outputs(codec, numels, names, weights, inputs, rule)
+    stated = {name: digest(parts) for name, parts in inputs.items()}
+    assert check_reducer(codec, rule, numels, names, weights, inputs, stated, outputs) == (AUDIT_OK, "")
+
+    # a wrong result, the same for everyone: the sign of one part flipped
+    wrong = [codec.encode(-codec.decode(outputs[1], numels[1])), *outputs[2:]]
+    verdict, detail = check_reducer(codec, rule, numels, names, weights, inputs, stated, [outputs[0], *wrong])
+    assert verdict == WRONG_MEAN and "part 1" in detail
+
+    # the reducer holds other parts from a sender than that sender states it sent
+    swapped = {**inputs, names[2]: [inputs[names[2]][0], inputs[names[3]][1], inputs[names[2]][2]]}
+    assert check_reducer(codec, rule, numels, names, weights, swapped, stated, outputs)[0] == INPUTS_DIFFER
+
+
+def test_without_a_lossy_codec_the_audit_is_bit_exact():
+    codec, numels, names, weights, inputs = reducer_case("none")
+    outputs = honest_outputs(codec, numels, names, weights, inputs, EXACT_MEAN)
+    stated = {name: digest(parts) for name, parts in inputs.items()}
+    result = codec.decode(outputs[2], numels[2])
+    result[7] = float(np.nextafter(np.float32(result[7].item()), np.float32(np.inf)))  # one ulp off in one value
+    verdict, detail = check_reducer(codec, EXACT_MEAN, numels, names, weights, inputs, stated,
+                                    [*outputs[:2], codec.encode(result)])
+    assert verdict == WRONG_MEAN and "1 of 333 values" in detail
+
+
+CODEC = "fp4-e3m0"  # the shipped default
+# three tensors of one part each, as large as each other: hivemind gives each of three peers one to reduce
+CASE_SHAPES = [torch.Size([64, 32])] * 3
+
+
+def case_inputs(peers: int = 3) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    inputs = [[torch.randn(s, generator=generator) * 1e-2 for s in CASE_SHAPES] for _ in range(peers)]
+    return {"rounds": [{"inputs": inputs, "starts": [START] * peers}], "samples": [16, 48, 160],
+            "error_feedback": True}
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_an_honest_round_records_what_travelled_and_passes_its_audits(tmp_path):
+    """Three honest peers, one round: every member counts its own reduced parts, like the parts it sent,
+    as the codec's round trip; all agree on each reducer's results, name the same auditors, and every
+    audit passes (the round is applied)."""
+    result = run_case(CODEC, case_inputs(), tmp_path)
+    round_ = result["rounds"][0]
+    assert round_["errors"] == [None] * 3, round_["errors"]
+    codec = CODECS[CODEC]
+    for sent, counted in zip(round_["to_send"], round_["counted"]):
+        for part, got in zip(cut_parts(sent, codec), cut_parts(counted, codec)):
+            assert torch.equal(got, codec.decode(codec.encode(part.contiguous()), part.numel()))
+    digests = round_["digests"]
+    peers = result["peer_ids"]
+    assert all(set(d["inputs"]) == set(d["outputs"]) == set(peers) for d in digests)  # everyone reduced
+    for reducer in peers:
+        assert len({d["outputs"][reducer] for d in digests}) == 1  # everyone got the bytes the reducer kept
+    assert len({tuple(sorted(d["auditors"].items())) for d in digests}) == 1
+    assert sorted(digests[0]["auditors"].values()) == sorted(peers)
+    assert result["banned"] == [[]] * 3
+
+
+def hostile_case(attack: str, tmp_path) -> tuple[dict, str]:
+    """One round of three peers, peer 0 a hostile reducer (tests/hostile_peer.py's `attack`)."""
+    result = run_case(CODEC, {**case_inputs(), "hostile_reducer": attack}, tmp_path)
+    errors = result["rounds"][0]["errors"]
+    assert all(e is not None and "round void" in e for e in errors), errors  # nobody applies the round
+    return result, result["peer_ids"][0]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_a_reducer_that_returns_a_wrong_result_to_everyone_is_caught_by_its_auditor(tmp_path):
+    result, hostile = hostile_case("garbage-reducer", tmp_path)
+    errors = result["rounds"][0]["errors"]
+    auditor = next(i for i, e in enumerate(errors) if f"this peer's audit of reducer {hostile[-8:]}" in e)
+    assert "wrong mean" in errors[auditor] and auditor != 0
+    other = 3 - auditor  # the third member waited for the auditor's verdict
+    assert f"the audit of reducer {hostile[-8:]}" in errors[other] and "wrong mean" in errors[other]
+    # the auditor bans the reducer on its own list; nobody bans an honest peer
+    assert result["banned"][auditor] == [hostile] and result["banned"][other] == [] and result["banned"][0] == []
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_a_reducer_that_sends_different_results_to_different_members_is_banned_by_them(tmp_path):
+    result, hostile = hostile_case("equivocating-reducer", tmp_path)
+    errors = result["rounds"][0]["errors"]
+    for honest in (1, 2):  # each got other bytes than the reducer's own report states it sent
+        assert f"reducer {hostile[-8:]}" in errors[honest] and "different values to different peers" in errors[honest]
+        assert result["banned"][honest] == [hostile]
+    assert result["banned"][0] == []
