@@ -232,7 +232,7 @@ def test_error_feedback_counts_what_really_left(codec, tmp_path):
     """Three peers with error feedback, three rounds through the real all-reduce, the second void for
     everyone (one peer names another θ_global). Each agreed round reports, for each peer, what the
     group counted of its Δ + e: on each part (cut as the runner cuts it) the codec's round trip of what
-    it sent, or, on the one peer that reduced that part, the part itself. And nothing is lost:
+    it sent, the parts it reduced itself included (:func:`assert_counted_is_the_round_trip`). And nothing is lost:
     Σ counted + e_T = Σ Δ, the void round's Δ included (it stays in θ_local and goes into the next).
     A round that fails for another reason (a loaded machine) is checked the same way: its Δ is owed."""
     peers, samples = 3, [16, 48, 160]
@@ -245,21 +245,8 @@ def test_error_feedback_counts_what_really_left(codec, tmp_path):
     assert all(e is not None for e in result["rounds"][1]["errors"]), result["rounds"][1]["errors"]
     agreed = [r for r in result["rounds"] if r["errors"] == [None] * peers]
     assert agreed, [r["errors"] for r in result["rounds"]]  # the first and last, unless the machine was too slow
-
-    codec_ = CODECS[codec]
     for round_ in agreed:
-        layout = [cut_parts(sent, codec_) for sent in round_["to_send"]]
-        counted = [cut_parts(c, codec_) for c in round_["counted"]]
-        for k in range(len(layout[0])):
-            reduced_here = 0
-            for peer in range(peers):
-                sent, got = layout[peer][k], counted[peer][k]
-                if torch.equal(got, sent):
-                    reduced_here += 1
-                else:
-                    roundtrip = codec_.decode(codec_.encode(sent.contiguous()), sent.numel())
-                    assert torch.equal(got, roundtrip), (codec, k, peer)
-            assert reduced_here == 1, (codec, k, reduced_here)  # one reducer per part, and it lost nothing
+        assert_counted_is_the_round_trip(round_, CODECS[codec])
 
     for peer in range(peers):
         owed = result["owed"][peer]
@@ -269,6 +256,15 @@ def test_error_feedback_counts_what_really_left(codec, tmp_path):
             kept = result["residuals"][peer][j].double() + (owed[j].double() if owed is not None else 0)
             lost = (deltas - counted - kept).abs().max().item()
             assert lost <= 1e-8, (codec, peer, j, lost)
+
+
+def assert_counted_is_the_round_trip(round_: dict, codec) -> None:
+    """What the group counted of each peer's input in an agreed round (tests/allreduce_case.py's
+    ``counted``) is, on each part as the runner cuts it, the codec's round trip of what the peer sent:
+    on the parts it reduced itself too, which a reducer aggregates decoded like everyone's."""
+    for peer, (sent, counted) in enumerate(zip(round_["to_send"], round_["counted"])):
+        for k, (part, got) in enumerate(zip(cut_parts(sent, codec), cut_parts(counted, codec))):
+            assert torch.equal(got, codec.decode(codec.encode(part.contiguous()), part.numel())), (codec.name, peer, k)
 
 
 def cut_parts(tensors: list[torch.Tensor], codec) -> list[torch.Tensor]:

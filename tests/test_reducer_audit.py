@@ -20,7 +20,7 @@ from p2p_diloco.sync.commit import judge
 from p2p_diloco.sync.exact_allreduce import SenderOrderReducer
 from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule
 from tests.allreduce_case import START
-from tests.test_exact_allreduce import cut_parts, reduce_parts, run_case
+from tests.test_exact_allreduce import assert_counted_is_the_round_trip, reduce_parts, run_case
 
 PEERS = [f"Qm{c * 44}" for c in "abcdefg"]  # base58 peer IDs, sorted as written
 SHA = {name: hashlib.sha256(name.encode()).hexdigest() for name in ("mean", "other", "sent", "lie")}
@@ -147,10 +147,7 @@ def test_an_honest_round_records_what_travelled_and_passes_its_audits(tmp_path):
     result = run_case(CODEC, case_inputs(), tmp_path)
     round_ = result["rounds"][0]
     assert round_["errors"] == [None] * 3, round_["errors"]
-    codec = CODECS[CODEC]
-    for sent, counted in zip(round_["to_send"], round_["counted"]):
-        for part, got in zip(cut_parts(sent, codec), cut_parts(counted, codec)):
-            assert torch.equal(got, codec.decode(codec.encode(part.contiguous()), part.numel()))
+    assert_counted_is_the_round_trip(round_, CODECS[CODEC])
     digests = round_["digests"]
     peers = result["peer_ids"]
     assert all(set(d["inputs"]) == set(d["outputs"]) == set(peers) for d in digests)  # everyone reduced
