@@ -30,13 +30,16 @@ def tiny_config_file(directory: Path, **sections) -> Path:
 
 
 def start_peer(processes: Processes, name: str, config: Path, maddr: str, *extra: str, faults: str = "",
-               host: Host = LOOPBACK, new_session: bool = False) -> Path:
+               host: Host = LOOPBACK, new_session: bool = False, attack: str = "") -> Path:
     """A `p2p-diloco peer` on `host` (loopback, or a network namespace's address); returns its metrics file.
-    `new_session`: see :meth:`Processes.start`."""
+    `new_session`: see :meth:`Processes.start`. With `attack`, the peer is tests/hostile_peer.py's, which
+    alters what it sends that way."""
     metrics = processes.log_dir / f"{name}.jsonl"
-    processes.start(name, "peer", "--config", str(config), "--host", host.ip, "--initial-peers", maddr,
+    launcher = dict(module="tests.hostile_peer", prefix=("--attack", attack, "--")) if attack else \
+        dict(module="p2p_diloco.cli", prefix=("peer",))
+    processes.start(name, *launcher["prefix"], "--config", str(config), "--host", host.ip, "--initial-peers", maddr,
                     "--metrics-file", str(metrics), *extra, env={"P2P_DILOCO_FAULTS": faults} if faults else None,
-                    netns=host.namespace, new_session=new_session)
+                    module=launcher["module"], netns=host.namespace, new_session=new_session)
     return metrics
 
 
