@@ -57,6 +57,8 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
+import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Optional, Sequence
@@ -225,15 +227,23 @@ class ReducerAudit(DecentralizedAverager):
         while len(self._ledgers) > KEPT_ROUNDS:
             self._ledgers.popitem(last=False)
 
-    def _call(self, method: str, wait_s: float, **kwargs):
-        """Run coroutine `method` in the averager process; its result, or None if none came within `wait_s`."""
+    def _call(self, method: str, wait_s: float, stop: Optional[threading.Event] = None, **kwargs):
+        """Run coroutine `method` in the averager process; its result, or None if none came within
+        `wait_s`, `stop` was set meanwhile (polled twice a second), or the averager process is gone."""
         future = MPFuture()
-        self._outer_pipe.send((method, [], dict(future=future, **kwargs)))
         try:
-            return future.result(timeout=wait_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
+            self._outer_pipe.send((method, [], dict(future=future, **kwargs)))
+        except (OSError, ValueError) as e:  # the pipe is closed: the averager has shut down
+            logger.debug("the averager did not take %s: %r", method, e)
             return None
+        deadline = time.monotonic() + wait_s
+        while not (stop is not None and stop.is_set()) and time.monotonic() < deadline:
+            try:
+                return future.result(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                continue
+        future.cancel()
+        return None
 
     def round_digests(self, token: str, timeout: float) -> Optional[RoundDigests]:
         """What travelled in this peer's round `token` (None if the averager holds no such round)."""
@@ -259,12 +269,13 @@ class ReducerAudit(DecentralizedAverager):
         future.set_result(sorted(peer_id.to_base58() for peer_id in self.screen.banned))
 
     def audit(self, token: str, reducer: str, input_digests: dict[str, Optional[str]],
-              timeout: float) -> tuple[str, str]:
+              timeout: float, stop: Optional[threading.Event] = None) -> tuple[str, str]:
         """(verdict, detail) of this peer's audit of `reducer` (base58) in its round `token`, given what
         each sender states it sent the reducer (sender -> sha256); a reducer found wrong is banned here.
-        The fetch and the recomputation are bounded by `timeout`; past it the verdict is "unavailable"."""
-        outcome = self._call("_audit", wait_s=timeout + 5.0, token=token, reducer=reducer, input_digests=input_digests,
-                             timeout=timeout)
+        The fetch and the recomputation are bounded by `timeout`; past it, or once `stop` is set, the
+        verdict is "unavailable"."""
+        outcome = self._call("_audit", wait_s=timeout + 5.0, stop=stop, token=token, reducer=reducer,
+                             input_digests=input_digests, timeout=timeout)
         return outcome if outcome is not None else (UNAVAILABLE, f"no verdict from the averager in {timeout:.0f} s")
 
     async def _audit(self, future: MPFuture, token: str, reducer: str, input_digests: dict[str, Optional[str]],

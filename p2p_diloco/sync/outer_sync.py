@@ -225,7 +225,7 @@ class OuterSync:
         for reducer in mine:
             stated = {sender: (digests.inputs if sender == self.peer_id else reports[sender].inputs).get(reducer)
                       for sender in digests.tokens}
-            verdicts[reducer], detail = self.averager.audit(token, reducer, stated, timeout)
+            verdicts[reducer], detail = self.averager.audit(token, reducer, stated, timeout, stop)
             if verdicts[reducer] != AUDIT_OK:
                 logger.warning("audit of reducer %s: %s (%s)", reducer, verdicts[reducer], detail)
         if verdicts:
