@@ -8,12 +8,12 @@ the same way). Summed over the rounds the group agreed on, what was counted plus
 held is every Δ: ``Σ_t S_t + e_T = Σ_t Δ_t``. Nothing the codec drops is lost, only delayed.
 
 S is what really left, as the all-reduce reports it (:attr:`p2p_diloco.sync.outer_sync.GroupMean.sent`):
-each part sent to another reducer after the codec's round trip of the very bytes sent, on the
-runner's own part boundaries, and the parts this peer reduced itself exactly (a residual of 0
-there). A residual computed by coding each tensor whole instead differs on both: it fed back an
-error on parts that never lost anything, and on parts cut off the codec's block grid it fed back
-another error than the one made; the accumulated error then grows with the rounds (issue 18,
-``tests/test_error_feedback.py``).
+each part after the codec's round trip of the very bytes counted, on the runner's own part
+boundaries, whether it went to another reducer or this peer reduced it itself (a reducer aggregates
+its own parts decoded too, so that an auditor can recompute its result: :mod:`p2p_diloco.sync.audit`).
+A residual computed by coding each tensor whole instead differs where hivemind cuts parts off the
+codec's block grid: it fed back another error than the one made, and the accumulated error then
+grows with the rounds (issue 18, ``tests/test_error_feedback.py``).
 
 The training loop owns this object; sync knows nothing of it::
 
