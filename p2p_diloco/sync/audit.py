@@ -32,9 +32,9 @@ What this does not stop:
 
 * A hostile auditor can void rounds (a false verdict, or none): denial of service, never a wrong
   mean applied nor an honest reducer banned by an honest member (the auditor bans on its own list).
-* A hostile reducer audited by a hostile member passes a wrong result; it is then bounded by the
-  robust aggregation of the other reducers' parts only where it is not the reducer, and by the
-  check of the update before it is applied (:mod:`p2p_diloco.train.update_check`). The seed is the
+* A hostile reducer audited by a hostile member passes a wrong result on its parts. Robust
+  aggregation does not bound it (the reducer is the one that aggregates); the check of the update
+  before it is applied does (:mod:`p2p_diloco.train.update_check`). The seed is the
   sha256 of the gathered tokens, and a group's leader gathers its own token last: a hostile leader
   can pick among the n − 1 rotations, so with one colluding identity in the group it can be audited
   by it.
@@ -46,9 +46,9 @@ What this does not stop:
   the round is void and nobody is banned. A hostile reducer can thus void its rounds unpunished,
   never pass a wrong result.
 * Assistants (:mod:`p2p_diloco.sync.assistant`) are not audited and audit nobody: they publish no
-  round report to state their results in, and they reduce only when every peer is unreachable, when
-  no peer could serve an audit anyway. A run that relies on assistants trusts the node that runs
-  them (the bootstrap node); different bytes from an assistant still void the round.
+  round report to state their results in (they reduce for runs whose peers are all unreachable). A
+  run that relies on assistants trusts the node that runs them (the bootstrap node); different
+  bytes from an assistant to different peers still void the round, unpinned.
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Optional, Sequence
 
-import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
