@@ -18,7 +18,7 @@ from p2p_diloco.sync.audit import auditors, check_reducer, digest
 from p2p_diloco.sync.codecs import CODECS
 from p2p_diloco.sync.commit import judge
 from p2p_diloco.sync.exact_allreduce import SenderOrderReducer
-from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule
+from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule, aggregate
 from tests.allreduce_case import START
 from tests.test_exact_allreduce import assert_counted_is_the_round_trip, reduce_parts, run_case
 
@@ -115,15 +115,36 @@ def test_the_audit_recomputes_what_the_reducer_computed(codec_name, rule):
     assert check_reducer(codec, rule, numels, names, weights, swapped, stated, outputs)[0] == INPUTS_DIFFER
 
 
-def test_without_a_lossy_codec_the_audit_is_bit_exact():
-    codec, numels, names, weights, inputs = reducer_case("none")
-    outputs = honest_outputs(codec, numels, names, weights, inputs, EXACT_MEAN)
+def nudged(codec, result: torch.Tensor) -> bytes:
+    """The encoding of `result` (a reducer's exact result) changed by the least a hostile reducer can change:
+    ``none``: one value one ulp up; ``fp4-e3m0``: the first block's float32 scale one ulp up (64 values,
+    each well within the codec's error bound of `result`)."""
+    data = bytearray(codec.encode(result))
+    if codec.name == "none":
+        values = np.frombuffer(data, "<f4").copy()
+        values[7] = np.nextafter(values[7], np.float32(np.inf))
+        return values.tobytes()
+    first_scale = len(data) - 4 * -(-result.numel() // codec.blocksize)
+    scale = np.frombuffer(data[first_scale:first_scale + 4], "<f4").copy()
+    data[first_scale:first_scale + 4] = np.nextafter(scale, np.float32(np.inf)).tobytes()
+    return bytes(data)
+
+
+@pytest.mark.parametrize("codec_name", ["none", "fp4-e3m0"])
+def test_with_a_reproducible_encoding_the_audit_is_bit_exact(codec_name):
+    """A reducer may not move a value even within the codec's error bound where every CPU encodes alike."""
+    codec, numels, names, weights, inputs = reducer_case(codec_name)
+    rule = AggregationRule("centered-clip")
+    outputs = honest_outputs(codec, numels, names, weights, inputs, rule)
     stated = {name: digest(parts) for name, parts in inputs.items()}
-    result = codec.decode(outputs[2], numels[2])
-    result[7] = float(np.nextafter(np.float32(result[7].item()), np.float32(np.inf)))  # one ulp off in one value
-    verdict, detail = check_reducer(codec, EXACT_MEAN, numels, names, weights, inputs, stated,
-                                    [*outputs[:2], codec.encode(result)])
-    assert verdict == WRONG_MEAN and "1 of 333 values" in detail
+    result = aggregate([codec.decode(inputs[name][2], numels[2]) for name in names], weights, rule)
+    wrong = nudged(codec, result)
+    moved = int((codec.decode(wrong, numels[2]) != codec.decode(outputs[2], numels[2])).sum())
+    assert moved
+    if codec.name != "none":  # a bound check would pass it: only the comparison of bytes catches it
+        assert (codec.decode(wrong, numels[2]) - result).abs().le(codec.error_bound(result)).all()
+    verdict, detail = check_reducer(codec, rule, numels, names, weights, inputs, stated, [*outputs[:2], wrong])
+    assert verdict == WRONG_MEAN and f"{moved} of {numels[2]} values" in detail
 
 
 CODEC = "fp4-e3m0"  # the shipped default

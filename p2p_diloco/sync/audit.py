@@ -38,10 +38,12 @@ What this does not stop:
   sha256 of the gathered tokens, and a group's leader gathers its own token last: a hostile leader
   can pick among the n − 1 rotations, so with one colluding identity in the group it can be audited
   by it.
-* With a lossy codec, encoding is not reproducible across CPUs (:mod:`p2p_diloco.sync.codecs`), so
-  where the auditor's own encoding differs from the reducer's bytes it accepts bytes that decode
-  within the codec's error bound of the recomputed result: a hostile reducer can move each value of
-  its parts by up to that bound (with ``none`` the check is bit-exact).
+* With a codec whose encoding may differ on another CPU (bitsandbytes' ``int8``, ``nf4``, ``fp4-bnb``
+  and the two-byte floats, which a CPU may flush to zero below their normal range), the auditor
+  accepts bytes that decode within the codec's error bound of the recomputed result
+  (:func:`off_values`): a hostile reducer can move each value of its parts by up to that bound. With
+  ``none`` and the default ``fp4-e3m0``, whose encoding is IEEE arithmetic alone, every value must be
+  the auditor's own encoding (values below 2^-100 aside).
 * When the bytes a reducer serves for a sender do not match that sender's digest, either may lie:
   the round is void and nobody is banned. A hostile reducer can thus void its rounds unpunished,
   never pass a wrong result.
@@ -179,9 +181,8 @@ def check_reducer(codec: Codec, rule: AggregationRule, part_numels: Sequence[int
     Each part is recomputed as the reducer computes it: the senders' decoded parts in sender order,
     :func:`~p2p_diloco.sync.robust.aggregate` under `rule` with the senders' `weights`. Verdicts:
     "inputs differ" (a sender's parts are not what it states it sent, or do not decode: the reducer
-    or the sender lies), "wrong mean" (a result is not the recomputed one), "ok". The auditor's own
-    encoding of a result may differ from the reducer's on another CPU (:mod:`p2p_diloco.sync.codecs`):
-    bytes that decode within the codec's error bound of the recomputed result are then accepted.
+    or the sender lies), "wrong mean" (a result is not the recomputed one), "ok". Where the auditor's own
+    encoding of a result differs from the reducer's bytes, :func:`off_values` says which values are wrong.
     """
     for sender in senders:
         if digest(inputs.get(sender, ())) != input_digests.get(sender):
@@ -200,10 +201,27 @@ def check_reducer(codec: Codec, rule: AggregationRule, part_numels: Sequence[int
             sent = codec.decode(outputs[index], numel)
         except ValueError as e:
             return WRONG_MEAN, f"averaged part {index} does not decode: {e}"
-        off = int((sent - result).abs().gt(codec.error_bound(result)).sum())
+        off = int(off_values(codec, sent, result).sum())
         if off:
             return WRONG_MEAN, f"averaged part {index}: {off} of {numel} values are not the {rule.name} of the inputs"
     return AUDIT_OK, ""
+
+
+NEGLIGIBLE = 2.0**-100  # far below any pseudo-gradient value a run applies; above float32's subnormals
+
+
+def off_values(codec: Codec, sent: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """Which values of a reducer's decoded part `sent` are not the codec's image of the recomputed `result`.
+
+    With a codec whose encoding is reproducible (``Codec.reproducible_encode``: ``none``, ``fp4-e3m0``)
+    every value must be the decoded value of the auditor's own encoding, except values both below
+    :data:`NEGLIGIBLE` (a CPU that flushes subnormals codes those differently). With the other codecs
+    (bitsandbytes' encoders, the two-byte floats, whose encoding may differ on another CPU) a value
+    must be within the codec's error bound of the result."""
+    if codec.reproducible_encode:
+        expected = codec.decode(codec.encode(result), result.numel())
+        return (sent != expected) & ~((sent.abs() <= NEGLIGIBLE) & (expected.abs() <= NEGLIGIBLE))
+    return (sent - result).abs().gt(codec.error_bound(result))
 
 
 class ReducerAudit(DecentralizedAverager):

@@ -101,6 +101,10 @@ class Codec(ABC):
     # values coded together from a part's start (one scale per block; 1: each value alone). A part that
     # starts on this grid codes its values exactly as the whole tensor would (the all-reduce cuts on it)
     blocksize: int = 1
+    # whether encode, like decode, is defined by IEEE arithmetic alone (a copy, or exact max, division and
+    # comparisons): the same bytes on every CPU, except where a value or a block scale is a subnormal and
+    # the CPU flushes subnormals. A reducer audit (p2p_diloco.sync.audit) then compares bytes, not bounds
+    reproducible_encode: bool = False
 
     def encode(self, part: torch.Tensor) -> bytes:
         """The bytes of `part`: exactly ``encoded_size(part.numel())`` of them."""
@@ -164,6 +168,7 @@ class RawFloat32Codec(Codec):
     """float32 as it is: exact, error bound 0."""
 
     name: str = "none"
+    reproducible_encode: bool = True
 
     def encoded_size(self, numel: int) -> int:
         return 4 * numel
@@ -418,6 +423,7 @@ class E3M0Codec(Codec):
 
     name: str = "fp4-e3m0"
     blocksize: int = 64
+    reproducible_encode: bool = True  # block absmax, one division, comparisons with constant midpoints
 
     def encoded_size(self, numel: int) -> int:
         return -(-numel // 2) + 4 * -(-numel // self.blocksize)
