@@ -6,6 +6,10 @@
   node that stores anything, and keeps them fresh;
 * ``donor``: declares itself the best state donor of the run and serves the next malformed state
   of :data:`STATE_VARIANTS` to each peer that downloads from it (the same one if it asks again);
+* ``poisoned-donor``: signs a progress record one outer step ahead of the honest peers (kept one
+  step ahead as they move) with the sha256 of a well-formed poisoned state, declares itself the best
+  donor and serves that state: what a single identity needs to replace θ_global, were a state one
+  step ahead not checked against the peer's own (p2p_diloco/train/state_check.py);
 * ``groupmate``: joins the run's averaging groups with the malformed metadata or tensors of
   :data:`GROUPMATE_VARIANTS`, one identity per kind (an honest peer bans an identity after one offence);
 * ``unlisted-peer``: a real ``p2p-diloco peer`` on a private run's manifest that does not list its
@@ -19,6 +23,7 @@ hivemind directly, never the project's validators: it is what a stranger on the 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import signal
 import sys
 import threading
@@ -76,13 +81,15 @@ def start_dht(initial_peers) -> tuple[DHT, StoresAnything]:
     return dht, signer
 
 
-def honest_state(dht: DHT, run_name: str) -> tuple[int, str]:
-    """The highest outer step an honest-looking progress record claims, and that record's state sha256."""
+def honest_state(dht: DHT, run_name: str, exclude_sha256: str = "") -> tuple[int, str]:
+    """The highest outer step an honest-looking progress record claims (none of `exclude_sha256`, this
+    process's own), and that record's state sha256."""
     found = dht.get(progress_key(run_name), latest=True)
     best = (0, "ab" * 32)
     for item in (found.value.values() if found is not None and isinstance(found.value, dict) else ()):
         value = getattr(item, "value", None)
-        if isinstance(value, dict) and isinstance(value.get("outer_step"), int) and value["outer_step"] < LIE_STEP:
+        if (isinstance(value, dict) and isinstance(value.get("outer_step"), int) and value["outer_step"] < LIE_STEP
+                and value.get("sha256") != exclude_sha256 and value.get("phase") != "loading"):
             best = max(best, (value["outer_step"], str(value.get("sha256"))))
     return best
 
@@ -173,10 +180,11 @@ STATE_VARIANTS = [name for name, _, _ in state_variants([torch.zeros(1)])]
 class SwarmAverager(DecentralizedAverager):
     """Named like the peers' averager (hivemind names its network handlers after the class); serves
     each peer that downloads from it the next of `variants`, and that same one if the peer asks again
-    (so each refusal a peer reports names one variant)."""
+    (so each refusal a peer reports names one variant); with `claimed_step` (a shared integer), as the
+    state at that outer step."""
 
-    def __init__(self, *args, variants=(), **kwargs):
-        self.variants, self.variant_of = list(variants), {}
+    def __init__(self, *args, variants=(), claimed_step=None, **kwargs):
+        self.variants, self.variant_of, self.claimed_step = list(variants), {}, claimed_step
         super().__init__(*args, **kwargs)
 
     async def rpc_download_state(  # runs in the averager's process
@@ -186,6 +194,8 @@ class SwarmAverager(DecentralizedAverager):
         index = self.variant_of.setdefault(requester, len(self.variant_of) % len(self.variants))
         name, metadata, tensors = self.variants[index]
         say(f"served {name} to {requester}")
+        if self.claimed_step is not None:
+            metadata = {**metadata, "outer_step": self.claimed_step.value}
         metadata = self.serializer.dumps(metadata)
         for tensor in tensors:
             info = CompressionInfo.from_tensor(tensor)
@@ -203,6 +213,41 @@ def serve_states(args, stop: threading.Event) -> None:
     say(f"donor ready as {dht.peer_id.to_base58()}")
     try:
         stop.wait()
+    finally:
+        donor.shutdown()
+        dht.shutdown()
+
+
+# ----- poisoned donor -----------------------------------------------------------------------------
+def poisoned_state(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """θ_global flipped and tripled, with zero momentum: finite, of the right shapes, and ruinous."""
+    return [*(-3 * p for p in params), *(torch.zeros_like(p) for p in params)]
+
+
+def serve_poisoned_state(args, stop: threading.Event) -> None:
+    cfg, fingerprint, params = run_parameters(args.config)
+    state = poisoned_state(params)
+    sha = tensors_sha256(state)
+    dht, signer = start_dht(args.initial_peers)
+    claimed_step = multiprocessing.Value("q", 0)  # the step its record claims now, read by the averager's process
+    variants = [("a well-formed poisoned state", dict(outer_step=0, sha256=sha, inner_steps=10), state)]
+    donor = SwarmAverager([torch.zeros(1)], dht, prefix=averager_prefix(cfg.run.name, fingerprint), start=True,
+                          allow_state_sharing=True, declare_state_period=2.0, variants=variants,
+                          claimed_step=claimed_step)
+    donor.state_sharing_priority = 1e12  # above any honest peer: it is asked first
+    say(f"poisoned donor ready as {dht.peer_id.to_base58()}, records signed as "
+        f"{owner_peer_id(signer.local_public_key)}, poisoned state {sha}")
+    try:
+        while not stop.is_set():
+            # one step ahead of the honest peers, and never back (a DHT read may miss their records)
+            step = max(claimed_step.value, honest_state(dht, cfg.run.name, exclude_sha256=sha)[0] + 1)
+            if step != claimed_step.value:
+                claimed_step.value = step
+                say(f"claims outer step {step}")
+            record = dict(outer_step=step, sha256=sha, phase="training", samples=0, time=time.time(),
+                          fingerprint=fingerprint, reachability="direct")
+            dht.store(progress_key(cfg.run.name), record, get_dht_time() + 30, subkey=signer.local_public_key)
+            stop.wait(0.5)
     finally:
         donor.shutdown()
         dht.shutdown()
@@ -269,7 +314,8 @@ def run_unlisted_peer(args, stop: threading.Event) -> None:
     say(f"unlisted peer exited with {run_peer(args.config, options)}")  # it stops on its own SIGTERM handler
 
 
-MODES = {"records": write_records, "donor": serve_states, "groupmate": join_groups,
+MODES = {"records": write_records, "donor": serve_states, "poisoned-donor": serve_poisoned_state,
+         "groupmate": join_groups,
          "unlisted-peer": run_unlisted_peer}
 
 

@@ -1,4 +1,5 @@
-"""Strangers on the run's DHT: malformed, forged and lying records, malformed states, malformed group metadata.
+"""Strangers on the run's DHT: malformed, forged and lying records, malformed and poisoned states, malformed
+group metadata.
 
 A hostile process (tests/hostile.py) joins a real swarm of `p2p-diloco peer` processes on 127.0.0.1
 and does what no honest peer would. The honest swarm must keep stepping with one global state, no
@@ -67,12 +68,18 @@ def test_malformed_forged_and_lying_records_are_ignored(processes, tmp_path):
     assert f"ignoring a malformed status record from peer {author}" in result.stderr
 
 
-def test_malformed_states_from_a_donor_are_refused(processes, tmp_path):
+def test_malformed_and_poisoned_states_from_a_donor_are_refused(processes, tmp_path):
+    """One swarm for two donors: one serves malformed states, the other a well-formed poisoned state it
+    claims one step ahead of the swarm (p2p_diloco/train/state_check.py)."""
     maddr, config, metrics = swarm(processes, tmp_path, 2)
     wait_for_steps(metrics, 2)
     hostile = start_hostile(processes, "donor", config, maddr)
+    start_hostile(processes, "poisoned-donor", config, maddr)
     wait_until(lambda: printed(processes, "hostile-donor", r"donor ready as (\w+)"), 120, "the hostile donor")
     (donor,) = printed(processes, "hostile-donor", r"donor ready as (\w+)")
+    pattern = r"poisoned donor ready as (\w+), records signed as (\w+), poisoned state (\w+)"
+    wait_until(lambda: printed(processes, "hostile-poisoned-donor", pattern), 120, "the poisoned donor")
+    ((poisoner, claimant, poisoned),) = printed(processes, "hostile-poisoned-donor", pattern)
     honest = {peer_id_of(m) for m in metrics}
     served = lambda: dict(re.findall(r"served (.+) to (\w+)", processes.log("hostile-donor")))  # noqa: E731
     joiners = []
@@ -93,7 +100,8 @@ def test_malformed_states_from_a_donor_are_refused(processes, tmp_path):
     refusals = {}
     for path in [*metrics, *joiners]:
         for record in read_metrics(path):
-            if record["event"] in ("state_loaded", "state_load_failed") and donor in record["failed_donors"]:
+            if record["event"] in ("state_loaded", "state_load_failed", "state_refused") \
+                    and donor in record.get("failed_donors", {}):
                 refusals[record["peer_id"]] = record["failed_donors"][donor]
     reasons = {name: refusals.get(peer) for name, peer in served().items()}
     assert set(reasons) == set(STATE_VARIANTS), reasons
@@ -101,8 +109,18 @@ def test_malformed_states_from_a_donor_are_refused(processes, tmp_path):
     assert all(r is not None and r.startswith("malformed") for _, r in malformed), reasons
     assert reason is not None and reason.startswith("other state"), (unvouched, reason)
     assert hostile.poll() is None
+    # each honest peer downloaded the poisoned state one step ahead, found it is no outer step from its
+    # own, and refused it; no peer, joiners included, ever held it
+    refused = lambda: {r["peer_id"]: r for path in metrics for r in read_metrics(path)  # noqa: E731
+                       if r["event"] == "state_refused" and r.get("donor") == poisoner}
+    wait_until(lambda: len(refused()) == len(metrics), 120, "every honest peer to refuse the poisoned state")
+    for record in refused().values():
+        assert record["target_sha256"] == poisoned and record["claimed_by"] == [claimant], record
+        assert "is not θ − η·(g + μ·b')" in record["reason"] or "fails the update check" in record["reason"], record
     keeps_stepping(processes, metrics, steps=2)
     assert_consistent([*metrics, *joiners])
+    for path in [*metrics, *joiners]:
+        assert poisoned not in {r.get("global_sha256") for r in read_metrics(path)}, f"{path.name} took the poison"
 
 
 def test_malformed_group_metadata_or_parts_ban_the_sender(processes, tmp_path):

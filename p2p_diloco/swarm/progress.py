@@ -16,8 +16,11 @@ From these records a peer decides (see :func:`plan_round`):
 * otherwise it trains, then averages with the peers at its step that are ready within
   ``round_wait_timeout``, or applies its own pseudo-gradient when it is alone.
 
-A record that claims a state nobody serves (a failed download found no donor of it) is set aside
-until its author publishes another state: a stranger's false claim cannot stall the run.
+A record that claims a state nobody serves (a failed download found no donor of it), or one that this
+peer does not trust enough to load (:mod:`p2p_diloco.train.state_check`), is set aside until its author
+publishes another state: a stranger's false claim cannot stall the run. A state that failed the state
+check, and every record of an identity that served a malformed or refused state, are ignored for the
+rest of the run (:meth:`SwarmProgress.refuse`).
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ class SwarmProgress:
         self.reachability = reachability
         self.peer_id = dht.peer_id.to_base58()
         self._unverified: dict[str, tuple[int, str]] = {}  # peer ID -> the state it claims that nobody served
+        self._refused_states: set[str] = set()  # sha256 of states this peer refused after downloading them
+        self._distrusted: set[str] = set()  # identities that served a malformed or refused state
         self._publisher = RecordPublisher(dht, self.key, record_subkey, ttl, "progress")
 
     def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0) -> None:
@@ -107,20 +112,31 @@ class SwarmProgress:
         claims of a state that nobody served)."""
         records = {}
         for record in read_progress(self.dht, self.key, self.fingerprint):
+            if record.peer_id != self.peer_id and (record.peer_id in self._distrusted
+                                                   or record.sha256 in self._refused_states):
+                continue
             if self._unverified.get(record.peer_id) == (record.outer_step, record.sha256):
                 continue
             self._unverified.pop(record.peer_id, None)  # it moved on: its new claim counts again
             records[record.peer_id] = record
         return records
 
-    def set_aside(self, claims: dict[str, tuple[int, str]]) -> None:
-        """Ignore these peers' records while they claim the same (outer step, sha256): nobody served it."""
+    def set_aside(self, claims: dict[str, tuple[int, str]], why: str = "no peer served that state") -> None:
+        """Ignore these peers' records while they claim the same (outer step, sha256): nobody served it, or
+        `why` this peer would not load it."""
         for peer_id, claim in claims.items():
             if peer_id == self.peer_id:
                 continue
             self._unverified[peer_id] = claim
-            logger.warning("setting aside the record of peer %s: it claims outer step %d (%s) but no peer served "
-                           "that state", peer_id, claim[0], claim[1][:12])
+            logger.warning("setting aside the record of peer %s: it claims outer step %d (%s) but %s",
+                           peer_id, claim[0], claim[1][:12], why)
+
+    def refuse(self, sha256: Optional[str] = None, peers: Sequence[str] = ()) -> None:
+        """Ignore for the rest of the run every record that claims the state `sha256` (it failed the state
+        check) and every record of `peers` (they served a malformed or refused state)."""
+        if sha256 is not None:
+            self._refused_states.add(sha256)
+        self._distrusted.update(peer for peer in peers if peer != self.peer_id)
 
     def wait_for_peers(self, count: int, timeout: float, stop: threading.Event, poll: float = 0.5) -> int:
         """Wait until `count` live peers (this one included) have records, `timeout` s, or `stop`.

@@ -4,7 +4,8 @@ with Streaming DiLoCo's fragments and overlap (arXiv 2501.18512) as options.
 Each round, toward outer step t + 1:
 
 1. read the swarm's progress (:func:`~p2p_diloco.swarm.progress.plan_round`): a peer that is behind
-   or holds a θ_global the swarm does not agree on downloads the agreed state first;
+   or holds a θ_global the swarm does not agree on downloads the agreed state first, checked against
+   its own before it replaces it (:mod:`~p2p_diloco.train.state_check`);
 2. H/P inner AdamW steps (:class:`~p2p_diloco.train.inner.InnerTrainer`; P = ``outer.fragments``,
    1 by default), those run while the last round's sync was in flight included;
 3. the pseudo-gradient of fragment t mod P (:mod:`p2p_diloco.train.fragments`; with P = 1, the
@@ -33,6 +34,7 @@ residual) :class:`~p2p_diloco.train.local_work.LocalWork`; which fragment syncs 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import threading
@@ -47,12 +49,14 @@ from p2p_diloco.metrics import MetricsWriter
 from p2p_diloco.schedule import FragmentSchedule
 from p2p_diloco.swarm.liveness import answering
 from p2p_diloco.swarm.node import RunNode
-from p2p_diloco.swarm.progress import LEFT, LOADING, READY, TRAINING, RoundPlan, SwarmProgress, plan_round
+from p2p_diloco.swarm.progress import (
+    LEFT, LOADING, READY, TRAINING, PeerProgress, RoundPlan, SwarmProgress, plan_round,
+)
 from p2p_diloco.swarm.records import RecordPublisher, assistance_key
 from p2p_diloco.swarm.status import StatusPublisher, choose_shard, read_status, settings_mismatch
 from p2p_diloco.sync.outer_sync import GroupMean, OuterSync
 from p2p_diloco.sync.robust import aggregation_rule
-from p2p_diloco.sync.state_transfer import StateExpectation, download_global_state, nobody_serves
+from p2p_diloco.sync.state_transfer import GlobalState, StateExpectation, download_global_state, nobody_serves
 from p2p_diloco.train.checkpoint import check_checkpoint_settings, load_checkpoint, save_checkpoint
 from p2p_diloco.train.data import DataError, checkpointed_stream_state, order_seed
 from p2p_diloco.train.error_feedback import ErrorFeedback
@@ -63,6 +67,9 @@ from p2p_diloco.train.model import trainable_parameters
 from p2p_diloco.train.outer import GlobalModel
 from p2p_diloco.train.peer_view import PeerView
 from p2p_diloco.train.round_sync import ROUND_STOPPED, RoundSync, SyncOutcome
+from p2p_diloco.train.state_check import (
+    STATE_REFUSED, choose_target, is_verifiable, step_problem, unverified_step_trusted, vouchers,
+)
 from p2p_diloco.train.update_check import ROUND_REJECTED, update_rejection
 from p2p_diloco.train.utilization import ComputeClock, RecentRate
 
@@ -148,7 +155,8 @@ class DiLoCoPeer:
         self._state_lock = threading.Lock()  # guards θ_global while a joiner downloads it
         self.checkpoint_dir = cfg.swarm.checkpoint_dir or None
         self.last_group_size = 1
-        self.distrusted_donors: set[str] = set()  # peers that served a malformed state
+        self.distrusted_donors: set[str] = set()  # peers that served a malformed or refused state
+        self.groupmates: set[str] = set()  # identities this peer has averaged with: their word on a state counts first
         self.settings = settings
         self.fingerprint = fingerprint = settings_fingerprint(settings)
         status = StatusPublisher(node.dht, cfg.run.name, node.identity.record_subkey, cfg.swarm.progress_ttl,
@@ -225,8 +233,9 @@ class DiLoCoPeer:
             while not self._stopping():
                 if max_outer_steps is not None and self.global_model.outer_step >= max_outer_steps:
                     break
-                plan = plan_round(self.progress.fetch(), self.global_model.outer_step, self.sha256)
-                if plan.action == "load" and self._load_from_peers(plan):
+                records = self.progress.fetch()
+                plan = plan_round(records, self.global_model.outer_step, self.sha256)
+                if plan.action == "load" and self._load_from_peers(plan, records):
                     continue
                 self._round()
         finally:
@@ -384,6 +393,7 @@ class DiLoCoPeer:
         and `to_send` is what it sent (Δ plus the residual it owed)."""
         mean_loss = self.local.contribution.synced(fragment, samples)
         self.rounds_not_applied = 0
+        self.groupmates.update(peer for peer in result.tokens if peer != self.peer_id)
         indices = self.schedule.fragments[fragment]
         self.local.sent(indices, to_send, result.sent)
         with self._state_lock:
@@ -418,7 +428,68 @@ class DiLoCoPeer:
         self._save_checkpoint()
 
     # ----- catching up ----------------------------------------------------------------------------
-    def _load_from_peers(self, plan: RoundPlan) -> bool:
+    def _trusted_plan(self, plan: RoundPlan, records: dict[str, PeerProgress]) -> Optional[RoundPlan]:
+        """The plan, or one for the best-vouched state above this peer's step, if the records trust it enough
+        to load (:func:`p2p_diloco.train.state_check.choose_target`); None if no state above is trusted."""
+        step = self.global_model.outer_step
+        if plan.target_step <= step:  # a state at this peer's own step: the plan's vote decides
+            return plan
+        target, counts = choose_target(records, self.peer_id, step, self.sha256, (plan.target_step, plan.target_sha256),
+                                       frozenset(self.groupmates - self.distrusted_donors))
+        if target is None:
+            logger.warning("not loading outer step %d (%s): a jump of %d outer steps is taken only on at least as many "
+                           "vouchers as this peer's own state has, and %s; training on from outer step %d, and trying "
+                           "again when its claimants move on", plan.target_step, plan.target_sha256[:12],
+                           plan.target_step - step, counts, step)
+            self.metrics.write(STATE_REFUSED, outer_step=step, target_step=plan.target_step,
+                               target_sha256=plan.target_sha256, claimed_by=sorted(plan.claims or {}),
+                               reason=f"unverified jump: {counts}")
+            self.progress.set_aside(plan.claims or {}, "this peer does not take that jump on so few vouchers")
+            return None
+        if target == (plan.target_step, plan.target_sha256):
+            return plan
+        claims = {peer: target for peer in vouchers(records, *target)}
+        return dataclasses.replace(plan, target_step=target[0], target_sha256=target[1], claims=claims,
+                                   reason=f"{plan.reason}; the best-vouched state above it: outer step {target[0]}")
+
+    def _step_refusal(self, state: GlobalState, plan: RoundPlan, records: dict[str, PeerProgress]) -> Optional[str]:
+        """Why a downloaded state one step ahead must not replace this peer's, or None if it may: it is
+        an outer step from this peer's state (:func:`p2p_diloco.train.state_check.step_problem`), or, when
+        it is not, enough identities vouch for it that this peer is the one that forked."""
+        step = self.global_model.outer_step
+        if not is_verifiable(step, state.outer_step):
+            return None
+        model = self.global_model
+        problem = step_problem(model.params, model.momentum_buffer, state.tensors, self.schedule.fragments,
+                               self.schedule.fragment_at(step), model.lr, model.momentum,
+                               self.cfg.outer.max_update_growth)
+        if problem is None:
+            return None
+        if unverified_step_trusted(records, self.peer_id, step, self.sha256, (state.outer_step, state.sha256)):
+            logger.warning("the state at outer step %d (%s) is not an outer step from this peer's state (%s), but "
+                           "at least as many identities vouch for it as for this peer's: this peer forked, and loads "
+                           "it",
+                           state.outer_step, state.sha256[:12], problem)
+            return None
+        return problem
+
+    def _refuse_state(self, state: GlobalState, plan: RoundPlan, problem: str, failures: dict[str, str]) -> None:
+        """A downloaded state that failed the state check: refused like a malformed one (its donor is not
+        asked again), and no plan targets it again."""
+        self.distrusted_donors.add(state.donor)
+        self.progress.refuse(state.sha256, [state.donor])
+        logger.warning("refusing the state at outer step %d (%s) from peer %s: %s; training on from outer step %d",
+                       state.outer_step, state.sha256[:12], state.donor, problem, self.global_model.outer_step)
+        self.metrics.write(STATE_REFUSED, outer_step=self.global_model.outer_step, target_step=state.outer_step,
+                           target_sha256=state.sha256, donor=state.donor, claimed_by=sorted(plan.claims or {}),
+                           reason=problem, failed_donors=failures)
+
+    def _load_from_peers(self, plan: RoundPlan, records: dict[str, PeerProgress]) -> bool:
+        """Download the state `plan` targets, check it (p2p_diloco.train.state_check) and adopt it; False, and
+        this peer trains on from its own state, when none is trusted, downloaded or passes the check."""
+        plan = self._trusted_plan(plan, records)
+        if plan is None:
+            return False
         logger.info("loading global state from peers: %s", plan.reason)
         self.progress.publish(plan.target_step, self.sha256, LOADING)  # peers at that step wait for this one
         self.view.loading()
@@ -432,6 +503,7 @@ class DiLoCoPeer:
             )
         finally:
             self.sync.share_state(True)
+        self.progress.refuse(peers=sorted(self.distrusted_donors))  # nor do their records count in any plan
         failures = {peer: str(why) for peer, why in failed_donors.items()}
         if state is None:
             self.view.training()
@@ -441,6 +513,11 @@ class DiLoCoPeer:
                            self.global_model.outer_step)
             self.metrics.write("state_load_failed", outer_step=plan.target_step, reason=plan.reason,
                                failed_donors=failures)
+            return False
+        problem = self._step_refusal(state, plan, records)
+        if problem is not None:
+            self.view.training()
+            self._refuse_state(state, plan, problem, failures)
             return False
         contribution = self.local.contribution  # its unsynced inner steps are dropped with θ_local
         samples_dropped = max(contribution.samples(f) for f in range(len(self.schedule.fragments)))

@@ -1,0 +1,176 @@
+"""The check of a downloaded state against this peer's own (p2p_diloco/train/state_check.py), on real outer steps."""
+
+import pytest
+import torch
+
+from p2p_diloco.schedule import FragmentSchedule
+from p2p_diloco.swarm.progress import LOADING, READY, TRAINING, PeerProgress
+from p2p_diloco.train.outer import GlobalModel
+from p2p_diloco.train.state_check import choose_target, step_problem, unverified_step_trusted
+from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.timeout(60)
+
+GROWTH = 4.0  # outer.max_update_growth's default
+
+
+def model(momentum=0.9, lr=0.7, seed=0):
+    """A GlobalModel of four tensors of different scales, from subnormal-sized values up to hundreds."""
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.randn(5, 7, generator=generator) * scale for scale in (1.0, 300.0, 1e-3, 1e-39)]
+    return GlobalModel(params, tiny_config(outer={"momentum": momentum, "lr": lr}).outer)
+
+
+def snapshot(global_model):
+    return [t.clone() for t in global_model.params], [t.clone() for t in global_model.momentum_buffer]
+
+
+def honest_mean(global_model, indices, generator, first):
+    """A pseudo-gradient the update check accepts: below ‖θ‖ at the first step, below ‖b‖ after it."""
+    scale = 0.05 if first else 0.3
+    mean = []
+    for i in indices:
+        basis = global_model.params[i] if first else global_model.momentum_buffer[i]
+        mean.append(torch.randn(basis.shape, generator=generator) * basis.abs().mean() * scale)
+    return mean
+
+
+def check(global_model, before, fragments, fragment, state=None):
+    params, momentum_buffer = before
+    return step_problem(params, momentum_buffer, state if state is not None else global_model.state_tensors(),
+                        fragments, fragment, global_model.lr, global_model.momentum, GROWTH)
+
+
+def stepped(momentum=0.9, fragments=((0, 1, 2, 3),), steps=6, seed=0):
+    """(model after `steps` honest outer steps, the state before the last, the schedule, the last fragment)."""
+    global_model = model(momentum, seed=seed)
+    schedule = FragmentSchedule([list(f) for f in fragments], steps_per_outer=10 * len(fragments), sync_delay=0)
+    generator = torch.Generator().manual_seed(seed + 1)
+    taken = [0] * len(fragments)
+    for step in range(steps):
+        fragment = schedule.fragment_at(step)
+        before = snapshot(global_model)
+        indices = schedule.fragments[fragment]
+        global_model.apply(honest_mean(global_model, indices, generator, first=taken[fragment] == 0), indices)
+        taken[fragment] += 1
+        assert check(global_model, before, schedule.fragments, fragment) is None, f"honest step {step} refused"
+    return global_model, before, schedule, fragment
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_honest_steps_pass(seed):
+    stepped(seed=seed, steps=8)
+
+
+def test_honest_streaming_steps_move_one_fragment_and_pass():
+    global_model, before, schedule, fragment = stepped(fragments=((0, 2), (1, 3)), steps=7)
+    assert fragment == 0
+    for i in schedule.fragments[1]:  # the other fragment did not move
+        assert torch.equal(global_model.params[i], before[0][i])
+    # checked as if the other fragment had synced, the step changes a fragment it must not
+    assert "changed, but an outer step" in check(global_model, before, schedule.fragments, 1)
+
+
+def test_plain_sgd_steps_pass_and_momentum_must_stay_zero():
+    global_model, before, schedule, fragment = stepped(momentum=0.0)
+    assert check(global_model, before, schedule.fragments, fragment) is None
+    state = global_model.state_tensors()
+    state[4] = state[4] + 1e-3
+    assert "stays zero" in check(global_model, before, schedule.fragments, fragment, state)
+
+
+def test_a_poisoned_theta_is_refused():
+    global_model, before, schedule, fragment = stepped()
+    state = [t.clone() for t in global_model.state_tensors()]
+    state[0][2, 3] += 1e-4 * float(state[0].abs().max())  # one element, far below the update's own size
+    assert "θ' of tensor 0 is not" in check(global_model, before, schedule.fragments, fragment, state)
+    state = [t.clone() for t in global_model.state_tensors()]
+    state[1].mul_(-1)  # θ replaced wholesale, momentum untouched
+    assert "θ' of tensor 1 is not" in check(global_model, before, schedule.fragments, fragment, state)
+
+
+def test_a_scaled_momentum_is_refused():
+    global_model, before, schedule, fragment = stepped()
+    count = len(global_model.params)
+    for factor, why in ((100.0, "fails the update check"), (1.01, "is not θ − η·(g + μ·b')")):
+        state = [t.clone() for t in global_model.state_tensors()]
+        for t in state[count:]:
+            t.mul_(factor)
+        assert why in check(global_model, before, schedule.fragments, fragment, state), factor
+
+
+def test_a_poisoned_state_consistent_with_its_momentum_fails_the_update_check():
+    # the forger applies a huge g through the real Nesterov step: θ' and b' agree, the update does not
+    global_model = model()
+    schedule = FragmentSchedule([[0, 1, 2, 3]], steps_per_outer=10, sync_delay=0)
+    generator = torch.Generator().manual_seed(3)
+    global_model.apply(honest_mean(global_model, [0, 1, 2, 3], generator, first=True), [0, 1, 2, 3])
+    before = snapshot(global_model)
+    global_model.apply([100 * p for p in global_model.params], [0, 1, 2, 3])
+    assert "fails the update check" in check(global_model, before, schedule.fragments, 0)
+
+
+def test_a_change_in_another_fragment_is_refused_to_the_last_bit():
+    global_model, before, schedule, fragment = stepped(fragments=((0, 2), (1, 3)), steps=5)
+    assert fragment == 0
+    state = [t.clone() for t in global_model.state_tensors()]
+    state[1].view(torch.int32)[0, 0] ^= 1  # one ulp of one element of θ in the fragment that did not sync
+    assert "tensor 1 changed" in check(global_model, before, schedule.fragments, fragment, state)
+    state = [t.clone() for t in global_model.state_tensors()]
+    state[4 + 3].view(torch.int32)[0, 0] ^= 1  # and of its momentum
+    assert "tensor 3 changed" in check(global_model, before, schedule.fragments, fragment, state)
+
+
+# ----- what the records vouch for ------------------------------------------------------------------
+def rec(peer, step, sha, phase=TRAINING):
+    return PeerProgress(peer, step, sha, phase)
+
+
+def test_peers_in_step_do_not_follow_one_identitys_jump():
+    records = {"me": rec("me", 4, "aa"), "b": rec("b", 4, "aa"), "evil": rec("evil", 9, "ff")}
+    assert choose_target(records, "me", 4, "aa", (9, "ff"))[0] is None
+    # nor right after an outer step, while a groupmate's record still says it commits the round
+    records = {"me": rec("me", 4, "aa"), "b": rec("b", 3, "00", READY), "evil": rec("evil", 9, "ff")}
+    assert choose_target(records, "me", 4, "aa", (9, "ff"))[0] is None
+    # a state one step ahead is always worth a download: it is verified before it is used
+    records["evil"] = rec("evil", 5, "ff")
+    assert choose_target(records, "me", 4, "aa", (5, "ff"))[0] == (5, "ff")
+
+
+def test_a_peer_alone_in_its_step_trusts_the_best_vouched_state_above_it():
+    # a joiner (or a straggler left behind alone): the frontier's liar loses to the run's peers
+    records = {"me": rec("me", 0, "00"), "a": rec("a", 6, "aa"), "b": rec("b", 6, "aa"), "c": rec("c", 5, "cc", READY),
+               "evil": rec("evil", 10**6, "ff"), "loading": rec("loading", 10**6, "ff", LOADING)}
+    assert choose_target(records, "me", 0, "00", (10**6, "ff"))[0] == (6, "aa")
+    assert choose_target(records, "me", 0, "00", (6, "aa"))[0] == (6, "aa")
+    # while the run's records are split between two steps (a group commits), a third claim is not trusted
+    records = {"me": rec("me", 0, "00"), "a": rec("a", 6, "aa", READY), "b": rec("b", 7, "bb"),
+               "evil": rec("evil", 8, "ff")}
+    assert choose_target(records, "me", 0, "00", (8, "ff"))[0] is None
+    # a straggler left alone: a former groupmate's word counts before a stranger's, even one step further
+    records = {"me": rec("me", 13, "00"), "mate": rec("mate", 16, "aa"), "evil": rec("evil", 17, "ff")}
+    assert choose_target(records, "me", 13, "00", (17, "ff"), frozenset({"mate"}))[0] == (16, "aa")
+    assert choose_target(records, "me", 13, "00", (17, "ff"))[0] == (17, "ff")  # a joiner cannot tell them apart
+    # alone against one identity, it trusts on first use
+    assert choose_target({"me": rec("me", 4, "00"), "a": rec("a", 6, "aa")}, "me", 4, "00", (6, "aa"))[0] == (6, "aa")
+    # joiners at step 0 together vouch for nothing: the run's initial state is every fresh peer's
+    records = {"me": rec("me", 0, "00"), "b": rec("b", 0, "00"), "first": rec("first", 2, "aa")}
+    assert choose_target(records, "me", 0, "00", (2, "aa"))[0] == (2, "aa")
+
+
+def test_ties_go_to_the_later_step_so_equal_halves_join_again():
+    records = {"me": rec("me", 4, "aa"), "b": rec("b", 4, "aa"), "c": rec("c", 7, "cc"), "d": rec("d", 7, "cc")}
+    assert choose_target(records, "me", 4, "aa", (7, "cc"))[0] == (7, "cc")
+    records["e"] = rec("e", 4, "aa")  # a larger group behind is the swarm: it keeps its state
+    assert choose_target(records, "me", 4, "aa", (7, "cc"))[0] is None
+
+
+def test_a_failed_step_is_taken_only_on_more_than_one_identitys_word():
+    records = {"me": rec("me", 4, "aa"), "evil": rec("evil", 5, "ff")}
+    assert not unverified_step_trusted(records, "me", 4, "aa", (5, "ff"))
+    # this peer forked: two peers moved on from a state it does not hold
+    records = {"me": rec("me", 4, "aa"), "c": rec("c", 5, "cc"), "d": rec("d", 5, "cc")}
+    assert unverified_step_trusted(records, "me", 4, "aa", (5, "cc"))
+    records["b"] = rec("b", 4, "aa")
+    records["e"] = rec("e", 4, "aa")
+    assert not unverified_step_trusted(records, "me", 4, "aa", (5, "cc"))
