@@ -124,6 +124,16 @@ def decode_hashes() -> dict[str, str]:
             for name, codec in CODECS.items()}
 
 
+def encode_hashes() -> dict[str, str]:
+    """Each codec that claims a reproducible encoding (Codec.reproducible_encode), on fixed values of many
+    magnitudes: the reducer audit compares those bytes between CPUs."""
+    draws = SeededDraws(seed=5)
+    exponents = draws.normal(DECODED_NUMEL, -10.0, 4.0).round()  # exact powers of two: pow would differ by kernel
+    values = torch.ldexp(draws.normal(DECODED_NUMEL, 0.0, 1.0), exponents).to(torch.float32)
+    return {name: hashlib.sha256(codec.encode(values)).hexdigest() for name, codec in CODECS.items()
+            if codec.reproducible_encode}
+
+
 def aggregate_hashes() -> dict[str, str]:
     """Each aggregation rule's result over fixed parts (one ×100, one sign-flipped, one claiming 1e9
     samples: every clip and the trim act), with the norm the update check takes of them."""
@@ -146,6 +156,7 @@ def hashes_of_this_process() -> dict:
         "outer_steps": outer_step_hashes(params),
         "decode": decode_hashes(),
         "aggregate": aggregate_hashes(),
+        "encode": encode_hashes(),
         "log": tensors_sha256([natural_log(torch.linspace(1e-300, 1.0, 10001, dtype=torch.float64)[1:])]),
         "torch_sgd": torch_sgd_hashes(params),
         "torch_init": torch_init_hash(),
@@ -186,7 +197,7 @@ def test_torch_sgd_and_torch_init_would_differ_between_the_kernels(by_kernel):
     assert default["torch_init"] != best["torch_init"]
 
 
-@pytest.mark.parametrize("what", ["initial", "outer_steps", "log", "aggregate"])
+@pytest.mark.parametrize("what", ["initial", "outer_steps", "log", "aggregate", "encode"])
 def test_the_same_bits_under_each_kernel(by_kernel, what):
     assert by_kernel["default"][what] == by_kernel["best"][what]
 
