@@ -11,8 +11,8 @@ import torch
 
 from p2p_diloco.fixed_order import lower_median, norm, pairwise_sum
 from p2p_diloco.sync.robust import (
-    EXACT_MEAN, AggregationRule, aggregate, capped_claims, clip_to_median_norm, coordinate_median, trim_count,
-    weighted_mean,
+    EXACT_MEAN, AggregationRule, aggregate, capped_claims, clip_to_median_norm, coordinate_median, counted_claims,
+    trim_count, weighted_mean,
 )
 from p2p_diloco.train.update_check import tensors_norm, update_rejection
 
@@ -145,3 +145,9 @@ def test_the_reducer_returns_the_rule_result_whatever_order_the_senders_arrive_i
     for k, (first, second) in enumerate(zip(*results)):
         assert torch.equal(first, second)
         assert torch.equal(first, aggregate([p[k] for p in parts], claims, rule))
+
+
+def test_a_run_reports_the_samples_its_rule_counted():
+    claims = [100.0, 120.0, 2.0**47]
+    assert counted_claims(claims, AggregationRule("centered-clip")) == [100.0, 120.0, 120.0]
+    assert counted_claims(claims, EXACT_MEAN) == claims

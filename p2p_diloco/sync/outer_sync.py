@@ -36,7 +36,7 @@ from p2p_diloco.sync.audit import RoundDigests
 from p2p_diloco.sync.commit import RoundReports, Void
 from p2p_diloco.sync.exact_allreduce import ExactMeanAverager
 from p2p_diloco.sync.group_screen import GroupMetadata
-from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule
+from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule, counted_claims
 from p2p_diloco.sync.state_transfer import StateSharing
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class GroupMean:
 
     mean: list[torch.Tensor]  # the group's aggregate of the pseudo-gradients (fp32, CPU; outer.aggregation)
     group_size: int
-    group_samples: int
+    group_samples: int  # the groupmates' sample counts, each claim capped as the aggregation rule caps it
     tokens: dict[str, str]  # each groupmate's peer ID -> the attempt token it announced
     # the fragment's tensors as the group counted them in `mean` (this peer's input after the codec's
     # round trip, on the parts it reduced itself too), when asked for: what error feedback subtracts
@@ -272,7 +272,8 @@ class OuterSync:
         return GroupMean(
             mean=mean,
             group_size=len(peers),
-            group_samples=sum(meta.samples for meta in peers.values()),
+            # as the rule counts them: a robust rule caps each claim at the median (a lie buys nothing here either)
+            group_samples=int(sum(counted_claims([m.samples for m in peers.values()], self.averager.aggregation))),
             tokens={peer_id: meta.token for peer_id, meta in peers.items()},
             sent=sent,
         )

@@ -5,9 +5,10 @@ with the plain mean, one sender that sends 100·Δ, or claims 2^40 samples, move
 likes (measured in issue 19: 3·Δ from one of 3 peers raised the held-out loss 11 %, 100·Δ ended the
 run for good). The rules here bound what any minority of senders can do to a part, in three steps:
 
-1. **Sample claims capped** at the group's median claim (the trimmed mean uses no weights at all). Nobody can verify a claim, so a weight above
-   the median buys nothing; honest peers of a run, which run the same inner steps, claim about the
-   same (robust rules ignore claimed weights, arXiv 1902.06156, for this reason).
+1. **Sample claims capped** at the group's median claim (the trimmed mean uses no weights at all).
+   Nobody can verify a claim, so a weight above the median buys nothing; honest peers of a run, which
+   run the same inner steps, claim about the same (robust rules ignore claimed weights, arXiv
+   1902.06156, for this reason).
 2. **Norms bounded**: each sender's part is scaled down to at most ``clip_factor`` × the median of the
    parts' norms (the "Gauntlet" of Templar, arXiv 2505.21684, clips updates to the median norm), so a
    scaled Δ weighs like an honest one.
@@ -108,6 +109,12 @@ def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> to
         torch.mul(part, weight, out=product)
         total.add_(product)
     return total.div_(sum(weights))
+
+
+def counted_claims(claims: Sequence[float], rule: AggregationRule) -> list[float]:
+    """The sample counts `rule` credits the senders with: capped at the median for a robust rule, as claimed
+    for DiLoCo's mean (what a run reports as the samples it averaged)."""
+    return [float(claim) for claim in claims] if rule.name == "mean" else capped_claims(claims)
 
 
 def capped_claims(claims: Sequence[float]) -> list[float]:
