@@ -9,10 +9,10 @@ peers, must be caught and kept out. Each time the honest peers must keep one θ_
 per outer step), and their loss must stay finite and fall.
 
 Attacks share swarms to keep CI short: the rules tolerate a minority, so each swarm of 5 holds 2
-attackers (7 peers on 2 loaded cores split into several groups per round). "The loss falls": every round after the first has a lower training loss than
-the first: with α = 0 (the tiny config) every round starts from θ_global, so a θ_global
-pushed far off shows as a loss above the first round's (which starts from the initial weights, about
-as good as a uniform guess).
+attackers (7 peers on 2 loaded cores split into several groups per round). "The loss falls": every
+round after the first has a lower training loss than the first. With α = 0 (the tiny config) every
+round starts from θ_global, so a θ_global pushed far off shows as a loss above the first round's,
+which starts from the initial weights, about as good as a uniform guess (ln 300).
 """
 
 from __future__ import annotations
