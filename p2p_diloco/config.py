@@ -189,9 +189,9 @@ class OuterConfig:
     clip_factor: float = _spec(2.0, lambda v: _is_num(v) and v >= 1, "a number >= 1")
     clip_iterations: int = _spec(3, lambda v: _is_int(v) and 1 <= v <= 100, "an integer in [1, 100]")
     trim_fraction: float = in_range(0.25, 0.0, 0.5)
-    # a round's mean g of a fragment is void on every peer if ‖g‖ > max_update_growth × max(‖b‖, ‖g_first‖)
-    # (b: the fragment's outer momentum; p2p_diloco.train.update_check); 0 disables the check
-    max_update_growth: float = non_negative(4.0)
+    # a round's mean g of a fragment is void on every peer if ‖g‖ > max_update_growth × ‖b‖ (b: the fragment's
+    # outer momentum), or ‖g‖ > ‖θ_global‖ at its first outer step (p2p_diloco.train.update_check); 0: no check
+    max_update_growth: float = non_negative(16.0)
 
 
 @dataclass(frozen=True)

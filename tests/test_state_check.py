@@ -11,7 +11,7 @@ from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.timeout(60)
 
-GROWTH = 4.0  # outer.max_update_growth's default
+GROWTH = 16.0  # outer.max_update_growth's default
 
 
 def model(momentum=0.9, lr=0.7, seed=0):

@@ -9,9 +9,14 @@ every update the run accepted (``b ← μ·b + g``; :mod:`p2p_diloco.train.outer
     ‖g‖ ≤ max_update_growth × ‖b‖        (once the fragment has taken an outer step)
     ‖g‖ ≤ ‖θ_global‖ of the fragment     (its first outer step, b = 0)
 
-Honest pseudo-gradients change slowly from one outer step to the next, and ‖b‖ is at least about the
-last accepted ‖g‖ (more when successive updates agree), so the default growth of 4 leaves an honest
-run a wide margin; an update ten or a hundred times the run's recent ones is refused. Every peer that
+Honest pseudo-gradients change slowly from one outer step to the next, and ‖b‖ is about the last
+accepted ‖g‖ or more when successive updates agree, but less when they partly cancel (b ← μ·b + g
+can shrink), and a round's Δ holds more inner steps after a round that failed: a tiny 2-peer test
+run had an honest round at 4.2 × ‖b‖. The default growth of 16 leaves honest runs that margin and
+more, and still refuses an update a hundred times the run's recent ones (the scaled and garbage
+updates that ended the run in issue 19); smaller shifts are the robust aggregation's to bound.
+A refused round is not dropped: its Δ stays in θ_local and goes into the next round, which a
+bound far above the honest spread lets through. Every peer that
 holds θ_global holds the same b (both are the global state, and a joiner downloads both), the group's
 mean is the same bytes on every groupmate, and the norms are computed in a fixed order
 (:mod:`p2p_diloco.fixed_order`): every peer of the group decides the same, so a refused round is void
