@@ -50,9 +50,14 @@ def pairwise_sum(values: torch.Tensor) -> float:
     return _chunk_sums(values, square=False)
 
 
+def sum_of_squares(values: torch.Tensor) -> float:
+    """Σ values² in float64 (each square exact), in :func:`pairwise_sum`'s order."""
+    return _chunk_sums(values, square=True)
+
+
 def norm(values: torch.Tensor) -> float:
-    """The Euclidean norm: ``sqrt`` (IEEE: rounded once) of the squares' sum, in :func:`pairwise_sum`'s order."""
-    return math.sqrt(_chunk_sums(values, square=True))
+    """The Euclidean norm: ``sqrt`` (IEEE: rounded once) of :func:`sum_of_squares`."""
+    return math.sqrt(sum_of_squares(values))
 
 
 def lower_median(values: list[float]) -> float:

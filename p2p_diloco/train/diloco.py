@@ -452,7 +452,7 @@ class DiLoCoPeer:
         return dataclasses.replace(plan, target_step=target[0], target_sha256=target[1], claims=claims,
                                    reason=f"{plan.reason}; the best-vouched state above it: outer step {target[0]}")
 
-    def _step_refusal(self, state: GlobalState, plan: RoundPlan, records: dict[str, PeerProgress]) -> Optional[str]:
+    def _step_refusal(self, state: GlobalState, records: dict[str, PeerProgress]) -> Optional[str]:
         """Why a downloaded state one step ahead must not replace this peer's, or None if it may: it is
         an outer step from this peer's state (:func:`p2p_diloco.train.state_check.step_problem`), or, when
         it is not, enough identities vouch for it that this peer is the one that forked."""
@@ -514,7 +514,7 @@ class DiLoCoPeer:
             self.metrics.write("state_load_failed", outer_step=plan.target_step, reason=plan.reason,
                                failed_donors=failures)
             return False
-        problem = self._step_refusal(state, plan, records)
+        problem = self._step_refusal(state, records)
         if problem is not None:
             self.view.training()
             self._refuse_state(state, plan, problem, failures)

@@ -31,14 +31,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from p2p_diloco.fixed_order import pairwise_sum
+from p2p_diloco.fixed_order import sum_of_squares
 
 ROUND_REJECTED = "round_rejected"  # the metrics event of a round whose mean failed the check
 
 
 def tensors_norm(tensors: Sequence[torch.Tensor]) -> float:
     """The Euclidean norm of the tensors taken together, the same bits on every CPU."""
-    return math.sqrt(sum(pairwise_sum(t.detach().to(torch.float64) ** 2) for t in tensors))
+    return math.sqrt(sum(sum_of_squares(t) for t in tensors))  # a chunk at a time: no float64 copy of a tensor
 
 
 def update_rejection(mean: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
