@@ -21,10 +21,12 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
+import hivemind.dht.dht
 from hivemind import DHT
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.multiaddr import Multiaddr
 
+from p2p_diloco.event_loop import keep_tasks_in
 from p2p_diloco.process_tree import is_running
 from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.liveness import serve_alive
@@ -109,6 +111,10 @@ class SwarmDHT(DHT):
 
         self.members = next((v.peer_ids for v in record_validators if isinstance(v, RunMembers)), None)
         super().__init__(*args, record_validators=record_validators, **kwargs)
+
+    def run(self) -> None:
+        keep_tasks_in(hivemind.dht.dht)  # this is the DHT's process: its loop keeps the tasks it runs
+        super().run()
 
     get = _fails_once_the_process_is_gone(DHT.get)
     store = _fails_once_the_process_is_gone(DHT.store)

@@ -85,6 +85,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aenumerate, anext, as_aiter, attach_event_on_finished, azip
 
 from p2p_diloco import faults
+from p2p_diloco.event_loop import keep_tasks_in
 from p2p_diloco.sync.audit import ReducerAudit, RoundLedger
 from p2p_diloco.sync.codecs import Codec, get_codec
 from p2p_diloco.sync.group_screen import GroupMetadata, GroupScreen, MalformedGroupData, ScreenedMatchmaking
@@ -472,6 +473,7 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
         # This runs in the averager's own process, where hivemind builds its Matchmaking by name:
         # the name is bound to the screened subclass there, so banned peers stay out of our groups.
         hivemind.averaging.averager.Matchmaking = functools.partial(ScreenedMatchmaking, screen=self.screen)
+        keep_tasks_in(hivemind.averaging.averager)  # a request's task is not collected mid-call (event_loop.py)
         super()._run_internal()
 
     async def _shutdown(self, timeout: Optional[float]) -> None:
