@@ -249,7 +249,7 @@ def _scaled_lookup(table: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     """The decode of every block codec: ``table[code]·scale`` of the value's block, one float32 multiply
     per value. A product of two float32 values is rounded once, to nearest, on every CPU (IEEE 754), so
     the decoded part is the same bits on every peer, whatever kernels its CPU has (bitsandbytes' own
-    C decoders give the same bits on x86; the tests compare them)."""
+    C decoders give the same bits on x86, but for the sign of FP4's zero code; the tests compare them)."""
     return table[codes.long()] * _per_element(scales, blocksize, codes.numel())
 
 
@@ -304,7 +304,9 @@ def _bnb_map(kind: str) -> torch.Tensor:
 @functools.cache
 def _bnb_4bit_decode_table(quant_type: str) -> torch.Tensor:
     """The value of each 4-bit code as bitsandbytes' C decoder gives it: its map, except that FP4 code 8
-    (the sign bit over a zero magnitude) decodes to −0.0 where the map holds +0.0."""
+    (the sign bit over a zero magnitude) decodes to −0.0 where the map holds +0.0. bitsandbytes 0.50 itself
+    gives −0.0 in its scalar loop and +0.0 in its AVX-512 loop (runs of 32 values on a CPU with AVX-512):
+    the wire format takes −0.0 on every CPU."""
     table = _bnb_map(quant_type).clone()
     if quant_type == "fp4":
         table[8] = -0.0
