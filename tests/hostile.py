@@ -11,7 +11,8 @@
   donor and serves that state: what a single identity needs to replace θ_global, were a state one
   step ahead not checked against the peer's own (p2p_diloco/train/state_check.py);
 * ``groupmate``: joins the run's averaging groups with the malformed metadata or tensors of
-  :data:`GROUPMATE_VARIANTS`, one identity per kind (an honest peer bans an identity after one offence);
+  :data:`GROUPMATE_VARIANTS`, one identity per kind (an honest peer bans an identity after one offence),
+  ``--lanes`` identities at a time;
 * ``unlisted-peer``: a real ``p2p-diloco peer`` on a private run's manifest that does not list its
   identity, with the start-up check of its own identity skipped: it publishes the run's records,
   joins its rounds and downloads its state as a listed peer would.
@@ -275,15 +276,30 @@ def as_the_swarm(gather, step: int, sha256: str):
 
 
 def join_groups(args, stop: threading.Event) -> None:
-    cfg, fingerprint, params = run_parameters(args.config)
-    for name, (gather, fill) in GROUPMATE_VARIANTS.items():
+    """One identity per variant of GROUPMATE_VARIANTS, `args.lanes` of them in the swarm at a time."""
+    run = run_parameters(args.config)
+    variants = list(GROUPMATE_VARIANTS.items())
+    lanes = [threading.Thread(target=join_groups_as, args=(run, variants[lane::args.lanes], args, stop))
+             for lane in range(args.lanes)]
+    for lane in lanes:
+        lane.start()
+    for lane in lanes:
+        lane.join()
+
+
+def join_groups_as(run, variants, args, stop: threading.Event) -> None:
+    """Each of `variants` in turn, under an identity of its own, for `args.seconds_per_identity`."""
+    cfg, fingerprint, params = run
+    for name, (gather, fill) in variants:
         if stop.is_set():
             break
         dht, _ = start_dht(args.initial_peers)
-        averager = SwarmAverager([torch.full_like(p, fill) for p in params], dht, start=True,
+        averager = SwarmAverager([torch.full_like(p, fill) for p in params], dht, start=False,
                                  prefix=averager_prefix(cfg.run.name, fingerprint), min_group_size=2,
                                  min_matchmaking_time=cfg.swarm.matchmaking_time,
                                  request_timeout=cfg.swarm.request_timeout)
+        averager.start()  # not hivemind's run_in_background, which sets a signal handler: a lane is no main thread
+        averager.wait_until_ready()
         say(f"identity {dht.peer_id.to_base58()} sends {name}")
         try:
             deadline = time.monotonic() + args.seconds_per_identity
@@ -325,6 +341,7 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--initial-peers", nargs="+", required=True)
     parser.add_argument("--seconds-per-identity", type=float, default=15.0)
+    parser.add_argument("--lanes", type=int, default=1, help="groupmate: identities in the swarm at a time")
     parser.add_argument("--identity-path", help="unlisted-peer: its identity file")
     parser.add_argument("--metrics-file", help="unlisted-peer: its metrics file")
     parser.add_argument("--wait-for-peers", type=int, default=1, help="unlisted-peer: as `p2p-diloco peer` takes it")

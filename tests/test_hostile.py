@@ -126,7 +126,8 @@ def test_malformed_and_poisoned_states_from_a_donor_are_refused(processes, tmp_p
 def test_malformed_group_metadata_or_parts_ban_the_sender(processes, tmp_path):
     maddr, config, metrics = swarm(processes, tmp_path, 3)
     wait_for_steps(metrics, 1)
-    hostile = start_hostile(processes, "groupmate", config, maddr, "--seconds-per-identity", "10")
+    hostile = start_hostile(processes, "groupmate", config, maddr, "--seconds-per-identity", "10",
+                            "--lanes", "2")
     wait_until(lambda: hostile.poll() is not None, 300, "the hostile groupmate to try every kind of input")
     identities = dict(printed(processes, "hostile-groupmate", r"identity (\w+) sends (.+)"))
     assert sorted(identities.values()) == sorted(GROUPMATE_VARIANTS)
