@@ -39,6 +39,7 @@ import torch
 from p2p_diloco import process_tree
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.hashing import tensors_sha256
+from p2p_diloco.node_runner import setup_logging
 from p2p_diloco.swarm.node import start_run_node, visible_maddrs
 from p2p_diloco.sync.exact_allreduce import ExactAllReduceRunner
 from p2p_diloco.sync.outer_sync import OuterSync, RoundFailed
@@ -169,6 +170,7 @@ def summary(result: dict) -> dict:
 
 def main() -> None:
     codec, case_dir = sys.argv[1], Path(sys.argv[2])
+    setup_logging(verbose=False)  # the peers' lines, as a peer logs them: the test shows them when a case fails
     # killed (on timeout), this process takes its DHT, averager and p2pd processes with it
     process_tree.children_exit_with_this_process()
     case = torch.load(case_dir / "inputs.pt")
