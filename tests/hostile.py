@@ -31,6 +31,8 @@ import threading
 import time
 from typing import AsyncIterator
 
+import hivemind.averaging.averager
+import hivemind.dht.dht
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
@@ -43,6 +45,7 @@ from hivemind.utils.streaming import split_for_streaming
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import load_config, run_fingerprint
+from p2p_diloco.event_loop import keep_tasks_in
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.process_tree import children_exit_with_this_process
 from p2p_diloco.swarm.identity import owner_peer_id
@@ -347,6 +350,8 @@ def main() -> None:
     parser.add_argument("--wait-for-peers", type=int, default=1, help="unlisted-peer: as `p2p-diloco peer` takes it")
     args = parser.parse_args()
     children_exit_with_this_process()  # its DHT, averager and p2pd go when it goes, however it goes
+    for module in (hivemind.dht.dht, hivemind.averaging.averager):  # forked from here, their loops keep their
+        keep_tasks_in(module)  # tasks, as the project's do (p2p_diloco/event_loop.py): no request lost mid-call
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
