@@ -6,6 +6,7 @@ import gc
 import types
 import weakref
 
+import hivemind.averaging.averager
 import hivemind.dht.dht
 import hivemind.utils.asyncio
 import pytest
@@ -68,7 +69,5 @@ def test_keep_tasks_in_rebinds_the_modules_loop_once():
 
 def test_the_dht_and_the_averager_name_the_loop_that_is_rebound():
     """keep_tasks_in rebinds a module-level name: it must still be the one hivemind's processes call."""
-    import hivemind.averaging.averager
-
     for module in (hivemind.dht.dht, hivemind.averaging.averager):
         assert module.switch_to_uvloop is hivemind.utils.asyncio.switch_to_uvloop
