@@ -227,6 +227,9 @@ class SwarmConfig:
     allreduce_timeout: float = positive(120.0)
     next_chunk_timeout: float = positive(10.0)
     commit_timeout: float = positive(15.0)
+    # attempts at a step's round: after a void one (a member died mid-round) the survivors average again
+    # without it, so a failure costs the failed peer, not the step (p2p_diloco.train.round_sync)
+    round_attempts: int = int_at_least(2, 1)
     state_download_timeout: float = positive(120.0)
     progress_ttl: float = positive(60.0)
     start_wait_timeout: float = non_negative(120.0)

@@ -12,7 +12,8 @@
   step ahead not checked against the peer's own (p2p_diloco/train/state_check.py);
 * ``groupmate``: joins the run's averaging groups with the malformed metadata or tensors of
   :data:`GROUPMATE_VARIANTS`, one identity per kind (an honest peer bans an identity after one offence),
-  ``--lanes`` identities at a time;
+  ``--lanes`` identities at a time; it asks the leaders that the honest peers' membership plan names
+  (p2p_diloco/sync/membership.py, computed from their progress records, as any stranger can);
 * ``unlisted-peer``: a real ``p2p-diloco peer`` on a private run's manifest that does not list its
   identity, with the start-up check of its own identity skipped: it publishes the run's records,
   joins its rounds and downloads its state as a listed peer would.
@@ -24,11 +25,14 @@ hivemind directly, never the project's validators: it is what a stranger on the 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import multiprocessing
 import signal
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import AsyncIterator
 
 import hivemind.averaging.averager
@@ -49,7 +53,10 @@ from p2p_diloco.event_loop import keep_tasks_in
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.process_tree import children_exit_with_this_process
 from p2p_diloco.swarm.identity import owner_peer_id
+from p2p_diloco.swarm.progress import read_progress
 from p2p_diloco.swarm.records import progress_key, rounds_key, runs_key, status_key
+from p2p_diloco.sync.group_screen import GroupScreen
+from p2p_diloco.sync.membership import PlannedMatchmaking, plan_membership
 from p2p_diloco.sync.outer_sync import averager_prefix, group_bits
 from p2p_diloco.train.data import TextData, tokenizer_sha256
 from p2p_diloco.train.model import build_model, trainable_parameters
@@ -187,9 +194,16 @@ class SwarmAverager(DecentralizedAverager):
     (so each refusal a peer reports names one variant); with `claimed_step` (a shared integer), as the
     state at that outer step."""
 
+    matchmaking = None  # hivemind's Matchmaking unless set before the averager process starts
+
     def __init__(self, *args, variants=(), claimed_step=None, **kwargs):
         self.variants, self.variant_of, self.claimed_step = list(variants), {}, claimed_step
         super().__init__(*args, **kwargs)
+
+    def _run_internal(self):  # in the averager's process, where hivemind builds its Matchmaking by name
+        if self.matchmaking is not None:
+            hivemind.averaging.averager.Matchmaking = self.matchmaking
+        super()._run_internal()
 
     async def rpc_download_state(  # runs in the averager's process
         self, _request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -290,6 +304,28 @@ def join_groups(args, stop: threading.Event) -> None:
         lane.join()
 
 
+class PlanFollowingMatchmaking(PlannedMatchmaking):
+    """A stranger that asks the leaders of the swarm's membership plan, whatever its own metadata holds:
+    its lane reads them from the honest peers' progress records and writes them, comma-separated, into
+    `shared_leaders` (shared with the averager process) before each step."""
+
+    def __init__(self, *args, shared_leaders, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shared_leaders = shared_leaders
+
+    def _plan(self):
+        leaders = [leader for leader in self.shared_leaders.value.decode().split(",") if leader]
+        return SimpleNamespace(leaders=leaders, expected=0) if self.step_control is not None and leaders else None
+
+
+def swarm_leaders(dht: DHT, cfg, fingerprint: str, step: int, sha256: str) -> str:
+    """The leaders that the honest peers at `step` plan for their round, comma-separated ("" if none)."""
+    records = {r.peer_id: r for r in read_progress(dht, progress_key(cfg.run.name), fingerprint)}
+    honest = next((peer for peer, r in records.items() if r.outer_step == step and r.sha256 == sha256), None)
+    plan = None if honest is None else plan_membership(records, step, sha256, honest, records[honest].reachability)
+    return "" if plan is None else ",".join(plan.leaders)
+
+
 def join_groups_as(run, variants, args, stop: threading.Event) -> None:
     """Each of `variants` in turn, under an identity of its own, for `args.seconds_per_identity`."""
     cfg, fingerprint, params = run
@@ -297,10 +333,12 @@ def join_groups_as(run, variants, args, stop: threading.Event) -> None:
         if stop.is_set():
             break
         dht, _ = start_dht(args.initial_peers)
+        leaders = multiprocessing.Array(ctypes.c_char, 4096)
         averager = SwarmAverager([torch.full_like(p, fill) for p in params], dht, start=False,
                                  prefix=averager_prefix(cfg.run.name, fingerprint), min_group_size=2,
                                  min_matchmaking_time=cfg.swarm.matchmaking_time,
                                  request_timeout=cfg.swarm.request_timeout)
+        averager.matchmaking = functools.partial(PlanFollowingMatchmaking, shared_leaders=leaders, screen=GroupScreen())
         averager.start()  # not hivemind's run_in_background, which sets a signal handler: a lane is no main thread
         averager.wait_until_ready()
         say(f"identity {dht.peer_id.to_base58()} sends {name}")
@@ -308,6 +346,10 @@ def join_groups_as(run, variants, args, stop: threading.Event) -> None:
             deadline = time.monotonic() + args.seconds_per_identity
             while time.monotonic() < deadline and not stop.is_set():
                 step, sha256 = honest_state(dht, cfg.run.name)
+                planned = swarm_leaders(dht, cfg, fingerprint, step, sha256)
+                if planned.encode() != leaders.value:
+                    say(f"outer step {step}: the swarm's leaders are {planned or 'none'}")
+                leaders.value = planned.encode()
                 averager.set_group_bits(group_bits(step))
                 control = averager.step(gather=as_the_swarm(gather, step, sha256), weight=1.0, wait=False,
                                         timeout=cfg.swarm.matchmaking_time * 3, allow_retries=False)

@@ -131,7 +131,8 @@ def test_a_reducer_that_returns_garbage_or_equivocates_is_caught(processes, tmp_
     wait_until(lambda: steps_reached(honest_metrics) >= STEPS and all(h.reduced_rounds(processes) for h in hostile),
                STEPS_TIMEOUT_S, f"{STEPS} outer steps of the honest peers, after both hostile reducers reduced a round")
     assert_honest_peers_sound(processes, honest_metrics)
-    void = [r["reason"] for m in honest_metrics for r in read_metrics(m) if r["event"] == "round_failed"]
+    void = [r["reason"] for m in honest_metrics for r in read_metrics(m)
+            if r["event"] in ("round_failed", "attempt_failed")]
     for h in hostile:  # each caught by name (peers name a groupmate by its ID's last 8 characters) ...
         assert any(h.peer_id[-8:] in reason for reason in void), f"{h.attack} never caught: {void}"
     for path in honest_metrics:  # ... and no round the honest peers applied had a hostile reducer in it

@@ -6,8 +6,8 @@ on each peer, so replicas drift apart in the last bits (about 4e-7 measured) eve
 compression. Here each reducer sends the averaged part itself, and every peer, the reducer
 included, copies those exact bytes in: the result is identical on all peers by construction.
 
-The change sits at narrow seams of hivemind's classes, and nothing else of its protocol,
-matchmaking or timeouts is touched:
+The change sits at narrow seams of hivemind's classes, and nothing else of its all-reduce protocol or
+timeouts is touched (who forms a group with whom is :mod:`p2p_diloco.sync.membership`'s):
 
 * :meth:`ExactAllReduceRunner._accumulate_parts_streaming`: the reducer replies with the average;
 * :meth:`ExactAllReduceRunner._communicate_with_peer`: the local part keeps the average too;
@@ -88,7 +88,8 @@ from p2p_diloco import faults
 from p2p_diloco.event_loop import keep_tasks_in
 from p2p_diloco.sync.audit import ReducerAudit, RoundLedger
 from p2p_diloco.sync.codecs import Codec, get_codec
-from p2p_diloco.sync.group_screen import GroupMetadata, GroupScreen, MalformedGroupData, ScreenedMatchmaking
+from p2p_diloco.sync.group_screen import GroupMetadata, GroupScreen, MalformedGroupData
+from p2p_diloco.sync.membership import PlannedMatchmaking
 from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule, aggregate
 
 logger = logging.getLogger(__name__)
@@ -451,6 +452,8 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
     (see :class:`ExactAllReduceRunner`). Read them under :meth:`get_tensors`, like the tensors.
     """
 
+    matchmaking = PlannedMatchmaking  # hivemind's Matchmaking in the averager's process (see _run_internal)
+
     def __init__(self, tensors: Sequence[torch.Tensor], *args, codec: str = "none",
                  aggregation: AggregationRule = EXACT_MEAN, fragments: Optional[list[list[int]]] = None,
                  record_sent: bool = False, **kwargs):
@@ -470,9 +473,10 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
         super().__init__(tensors, *args, **kwargs)
 
     def _run_internal(self):
-        # This runs in the averager's own process, where hivemind builds its Matchmaking by name:
-        # the name is bound to the screened subclass there, so banned peers stay out of our groups.
-        hivemind.averaging.averager.Matchmaking = functools.partial(ScreenedMatchmaking, screen=self.screen)
+        # This runs in the averager's own process, where hivemind builds its Matchmaking by name: the name
+        # is bound to our subclass there, so groups follow the round's membership plan (sync/membership.py)
+        # and banned peers stay out of them (sync/group_screen.py).
+        hivemind.averaging.averager.Matchmaking = functools.partial(self.matchmaking, screen=self.screen)
         keep_tasks_in(hivemind.averaging.averager)  # a request's task is not collected mid-call (event_loop.py)
         super()._run_internal()
 

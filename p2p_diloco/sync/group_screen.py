@@ -36,6 +36,10 @@ from p2p_diloco.remote_input import (
 )
 
 
+PeerIdText = pydantic.constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{32,64}$")  # a base58 libp2p peer ID
+MAX_PLANNED_LEADERS = 8
+
+
 class GroupMetadata(StrictModel):
     """What each groupmate announces for a round."""
 
@@ -45,6 +49,10 @@ class GroupMetadata(StrictModel):
     token: Token
     role: Literal["peer", "assistant"]  # an assistant reduces for the others and sends nothing (sync/assistant.py)
     fragment: pydantic.conint(strict=True, ge=0, le=MAX_TENSORS) = 0  # which Streaming DiLoCo fragment is averaged
+    # the membership plan this member follows (p2p_diloco.sync.membership): its leaders in order, and how
+    # many members it expects; none for an assistant, or when nobody at the step can be dialled
+    leaders: pydantic.conlist(PeerIdText, max_items=MAX_PLANNED_LEADERS) = []
+    expected: pydantic.conint(strict=True, ge=0, le=MAX_COUNT) = 0
 
 
 class HivemindEnvelope(StrictModel):
@@ -164,12 +172,18 @@ class ScreenedMatchmaking(Matchmaking):
         self.screen = screen
         self.screen.members = getattr(dht, "members", None)
 
+    def _screen_refusal(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> Optional[averaging_pb2.MessageFromLeader]:
+        """The answer to a join request from a peer the screen does not admit, or None."""
+        if not self.screen.admits(context.remote_id, request.gather):
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        return None
+
     def _check_reasons_to_reject(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> Optional[averaging_pb2.MessageFromLeader]:
-        if not self.screen.admits(context.remote_id, request.gather):
-            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-        return super()._check_reasons_to_reject(request, context)
+        return self._screen_refusal(request, context) or super()._check_reasons_to_reject(request, context)
 
     async def _request_join_group(self, leader: PeerID) -> Optional[GroupInfo]:
         if self.screen.refuses(leader):

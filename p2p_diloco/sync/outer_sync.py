@@ -36,6 +36,7 @@ from p2p_diloco.sync.audit import RoundDigests
 from p2p_diloco.sync.commit import RoundReports, Void
 from p2p_diloco.sync.exact_allreduce import ExactMeanAverager
 from p2p_diloco.sync.group_screen import GroupMetadata
+from p2p_diloco.sync.membership import Membership
 from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule, counted_claims
 from p2p_diloco.sync.state_transfer import StateSharing
 
@@ -55,6 +56,7 @@ class GroupMean:
     # the fragment's tensors as the group counted them in `mean` (this peer's input after the codec's
     # round trip, on the parts it reduced itself too), when asked for: what error feedback subtracts
     sent: Optional[list[torch.Tensor]] = None
+    attempt: int = 1  # which attempt of the step's round this is (train/round_sync.py retries without failed members)
 
     @property
     def peer_ids(self) -> list[str]:
@@ -178,9 +180,12 @@ class OuterSync:
         global_sha256: str,
         fragment: int = 0,
         stop: Optional[threading.Event] = None,
+        membership: Optional[Membership] = None,
     ) -> GroupMean:
         """Average `fragment` of the pseudo-gradient (its tensors, in order; with error feedback, already
-        compensated) with the peers at this outer step that hold the same θ_global (`global_sha256`).
+        compensated) with the peers at this outer step that hold the same θ_global (`global_sha256`): the
+        group of `membership`'s leader (:mod:`p2p_diloco.sync.membership`), or without one, the group that
+        hivemind's matchmaking forms.
 
         Returns only a mean that every groupmate holds too (see p2p_diloco.sync.commit) and whose every
         reducer passed its audit (p2p_diloco.sync.audit); raises RoundFailed otherwise, and then this peer
@@ -192,7 +197,8 @@ class OuterSync:
         stop = stop or threading.Event()
         token = secrets.token_hex(8)  # names this attempt in the group's round reports
         try:
-            result = self._all_reduce(pseudo_gradient, samples, outer_step, global_sha256, fragment, token, stop)
+            result = self._all_reduce(pseudo_gradient, samples, outer_step, global_sha256, fragment, token, stop,
+                                     membership)
             digests = self.averager.round_digests(token, timeout=self.cfg.commit_timeout)
             if digests is None:
                 raise RoundFailed("the averager holds no record of what travelled in the round", tensors_touched=True)
@@ -238,7 +244,7 @@ class OuterSync:
 
     def _all_reduce(
         self, pseudo_gradient, samples: int, outer_step: int, global_sha256: str, fragment: int, token: str,
-        stop: threading.Event,
+        stop: threading.Event, membership: Optional[Membership],
     ) -> GroupMean:
         self.averager.set_group_bits(group_bits(outer_step))
         indices = self.averager.fragments[fragment]
@@ -248,7 +254,7 @@ class OuterSync:
         timeout = round_timeout(self.cfg)
         control = self.averager.step(
             gather=dict(samples=samples, outer_step=outer_step, global_sha256=global_sha256, token=token, role="peer",
-                        fragment=fragment),
+                        fragment=fragment, **(membership.as_gathered() if membership else {})),
             weight=float(samples),
             timeout=timeout,
             allow_retries=False,  # a retry after a broken all-reduce would average half-averaged values

@@ -173,7 +173,7 @@ class DiLoCoPeer:
                               fragments=self.schedule.fragments, record_sent=error_feedback,
                               aggregation=aggregation_rule(cfg.outer))
         self.round_sync = RoundSync(self.progress, self.sync, self.peer_id, node.reachability.mode,
-                                    cfg.swarm.round_wait_timeout, self.stop_event)
+                                    cfg.swarm.round_wait_timeout, self.stop_event, cfg.swarm.round_attempts)
 
     def _ask_for_assistance(self, node: RunNode, fingerprint: str) -> RecordPublisher:
         """An unreachable peer asks reachable nodes to reduce for its run (see p2p_diloco.sync.assistant)."""
@@ -304,6 +304,8 @@ class DiLoCoPeer:
         to_send = self.local.to_send(indices, self.global_model.pseudo_gradient(self.local_params, indices))
         outcome, steps_while_syncing = self._sync(
             functools.partial(self.round_sync, step, fragment, to_send, samples, self.sha256))
+        for reason in outcome.failed_attempts:  # the round was tried again without the members that failed
+            self.metrics.write("attempt_failed", outer_step=step, reason=reason)
         if outcome.result is not None:
             outcome = self._checked(outcome, indices)
         if outcome.result is not None:
@@ -409,6 +411,7 @@ class DiLoCoPeer:
             outer_step=step,
             group_size=result.group_size,
             group_samples=result.group_samples,
+            attempt=result.attempt,
             samples=samples,
             loss=mean_loss,
             fragment=fragment,

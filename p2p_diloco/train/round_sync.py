@@ -3,23 +3,36 @@
 Step 4 of the DiLoCo loop (:mod:`p2p_diloco.train.diloco`; DiLoCo, arXiv 2311.08105, Alg. 1 line 11).
 It reads the swarm's progress records (:mod:`p2p_diloco.swarm.progress`), waits at most
 ``swarm.round_wait_timeout`` for the peers at this step that still train or load, and then either
-averages with them (:class:`~p2p_diloco.sync.outer_sync.OuterSync`), applies this peer's own Δ when no
-other peer of the run is live, or gives up the round with the reason and the metrics event that
-say why. It runs in a background thread while inner steps go on when ``outer.sync_delay`` τ > 0
+averages with them (:class:`~p2p_diloco.sync.outer_sync.OuterSync`) in the group its membership plan
+names (:mod:`p2p_diloco.sync.membership`), applies this peer's own Δ when no other peer of the run is
+live, or gives up the round with the reason and the metrics event that say why.
+
+It runs in a background thread while inner steps go on when ``outer.sync_delay`` τ > 0
 (Streaming DiLoCo's overlap, arXiv 2501.18512), so it touches no training state: what it needs is
 passed in, and what it decided is returned.
+
+**A failure costs the failed peer, not the step.** When a member dies mid-round, the round is void
+for the group (a reducer's parts are lost, or its commit report never comes). Every survivor then
+averages the same pseudo-gradient again, with a fresh attempt token, in a group planned without the
+members that no longer answer on the network, up to ``swarm.round_attempts`` attempts in all. Every
+survivor sees the same void round (:mod:`p2p_diloco.sync.commit`), so every survivor tries again.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from p2p_diloco.swarm.progress import READY, SwarmProgress, plan_averaging
+from p2p_diloco.swarm.progress import READY, PeerProgress, SwarmProgress, plan_averaging
+from p2p_diloco.swarm.reachability import DIRECT
+from p2p_diloco.sync.membership import plan_membership
 from p2p_diloco.sync.outer_sync import GroupMean, OuterSync, RoundFailed
+
+logger = logging.getLogger(__name__)
 
 ROUND_STOPPED = "round_stopped"  # the metrics event of a round this peer left because it is stopping
 
@@ -34,6 +47,7 @@ class SyncOutcome:
     result: Optional[GroupMean] = None
     event: Optional[str] = None  # the metrics event of a round that applied nothing: round_failed, round_skipped, ...
     reason: str = ""
+    failed_attempts: list[str] = field(default_factory=list)  # why each earlier attempt at the step's round failed
 
 
 class RoundSync:
@@ -42,7 +56,8 @@ class RoundSync:
     made with ``record_sent``) a group's mean comes with what the group counted of this peer's part."""
 
     def __init__(self, progress: SwarmProgress, sync: OuterSync, peer_id: str, reachability_mode: str,
-                 round_wait_timeout: float, stop_event: threading.Event):
+                 round_wait_timeout: float, stop_event: threading.Event, attempts: int = 1):
+        self.attempts = attempts  # swarm.round_attempts
         self.progress = progress
         self.sync = sync
         self.peer_id = peer_id
@@ -77,10 +92,37 @@ class RoundSync:
             return SyncOutcome(event="round_skipped", reason=plan.reason)
         if plan.action == "alone":
             return SyncOutcome(GroupMean(to_send, 1, samples, {self.peer_id: "alone"}))
-        try:
-            return SyncOutcome(self.sync.average(to_send, samples, step, global_sha256, fragment, stop=self.stop_event))
-        except RoundFailed as e:  # with what the user can do about it, where there is something
-            return SyncOutcome(event="round_failed", reason=str(e) + (ASSISTANT_HINT if plan.needs_assistant else ""))
+        failed: list[str] = []
+        for attempt in range(1, self.attempts + 1):
+            membership = plan_membership(records, step, global_sha256, self.peer_id, self.reachability_mode)
+            try:
+                result = self.sync.average(to_send, samples, step, global_sha256, fragment, stop=self.stop_event,
+                                           membership=membership)
+                result.attempt = attempt
+                return SyncOutcome(result, failed_attempts=failed)
+            except RoundFailed as e:  # with what the user can do about it, where there is something
+                if not e.tensors_touched or attempt == self.attempts or self.stop_event.is_set():
+                    reason = str(e) + (ASSISTANT_HINT if plan.needs_assistant else "")
+                    return SyncOutcome(event="round_failed", reason=reason, failed_attempts=failed)
+                failed.append(str(e))
+                records = self._answering(self.progress.fetch(), step)
+                if any(r.outer_step > step for r in records.values()):  # the others applied it: catch up instead
+                    return SyncOutcome(event="round_skipped", reason=f"attempt {attempt} failed ({e}) while the swarm "
+                                                                     f"moved past outer step {step}; catching up",
+                                       failed_attempts=failed)
+                logger.warning("outer step %d: attempt %d of %d failed (%s); averaging again with the %d peers ready "
+                               "at the step that still answer", step + 1, attempt, self.attempts, e,
+                               sum(r.outer_step == step and r.phase == READY for r in records.values()))
+
+    def _answering(self, records: dict[str, PeerProgress], step: int) -> dict[str, PeerProgress]:
+        """The records, less those of peers ready at `step` that no longer answer on the network (the
+        peers a failed attempt lost); all of them when this peer cannot ask."""
+        if self.progress.answering is None:
+            return records
+        ready = [pid for pid, r in records.items()  # only a peer others can dial can be asked (as swarm.progress does)
+                 if pid != self.peer_id and r.outer_step == step and r.phase == READY and r.reachability == DIRECT]
+        answering = self.progress.answering(ready) if ready else set()
+        return {pid: r for pid, r in records.items() if pid not in ready or pid in answering}
 
     def round_is_closing(self, step: int) -> bool:
         """Whether another peer is ready at this step, or past it: the fastest peer ends the round for all."""

@@ -1,0 +1,208 @@
+"""One membership per outer step: every peer ready at step t averages in the same group.
+
+hivemind's matchmaking elects leaders by the expiration each averager declares on the DHT: a
+follower asks the potential leaders that expire before it, and a leader runs the all-reduce with
+whoever joined within ``matchmaking_time``. With many peers not all of them meet in time, and one
+step was averaged by 2-3 groups at once (16 peers: 10 + 4 + 2, 11 + 3 + 2, ...), each with its own
+mean; the peers outside the largest group then downloaded its state and lost their inner steps.
+
+Here the membership comes from the progress records every peer reads anyway
+(:mod:`p2p_diloco.swarm.progress`), the way torchft forms a quorum from a shared view instead of an
+election. Once no peer at the step is still training (``round_wait_timeout``), each peer computes
+:func:`plan_membership`: the ready peers at its step and state, and from those that others can dial,
+an order of leaders that rotates with the step (sha256 of step and peer ID). Every member asks the
+first leader of that order to take it in (:class:`PlannedMatchmaking`); the leader starts the
+all-reduce as soon as every member it expects has joined, or when its window closes with whoever
+came. A member whose leader does not answer within the window asks the next leader of the order,
+and so does the next leader itself: a leader that died costs one window, not the step. A peer that
+misses the group keeps its inner steps for the next step, as before.
+
+Peers that hold the same records compute the same plan, so they meet in one group. Two views that
+differ name the same first leader unless they differ in that leader itself; then the step may split
+as before, which the commit protocol (:mod:`p2p_diloco.sync.commit`) and the state check keep safe.
+
+The plan travels in each member's gathered metadata (``leaders``, ``expected``:
+:class:`~p2p_diloco.sync.group_screen.GroupMetadata`), checked like the rest of it. Metadata without
+a plan (an assistant's, or a round in which nobody can be dialled) goes through hivemind's own
+matchmaking, and a planned leader declares itself on the DHT so that those still find it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+from typing import Optional
+
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+
+from p2p_diloco.swarm.progress import READY, PeerProgress
+from p2p_diloco.swarm.reachability import DIRECT
+from p2p_diloco.sync.group_screen import GroupMetadata, ScreenedMatchmaking, parse_gathered
+
+MAX_LEADERS = 3  # leaders a plan names, in order: a dead first leader costs one window, two cost two
+WINDOW_MATCHMAKING_TIMES = 3  # a leader's window, in matchmaking_time: time for every member to join
+RETRY_S = 0.5  # between two join requests to a leader that is not taking members yet
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who averages toward outer step t + 1, as this peer plans it from the progress records."""
+
+    leaders: tuple[str, ...]  # peer IDs (base58), in the order members ask them
+    expected: int  # ready peers at the step and state, this one included: the group the leader waits for
+
+    def as_gathered(self) -> dict:
+        return dict(leaders=list(self.leaders), expected=self.expected)
+
+
+def leader_rank(outer_step: int, peer_id: str) -> bytes:
+    """A peer's place in the order of leaders at `outer_step`: the order rotates with the step, so no one
+    peer leads every round, and every peer computes the same order from the same peers."""
+    return hashlib.sha256(f"{outer_step}:{peer_id}".encode()).digest()
+
+
+def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sha256: str, peer_id: str,
+                    reachability: str) -> Optional[Membership]:
+    """The membership of the round toward `outer_step + 1` for this peer (`peer_id`, which holds the
+    θ_global `global_sha256` and is ready): the peers whose records say ready at the step with the same
+    state, and the first :data:`MAX_LEADERS` of them that others can dial, in :func:`leader_rank` order.
+
+    None when none of them can be dialled: then only an assistant can reduce, and it finds the group
+    through hivemind's matchmaking."""
+    members = {pid: r.reachability for pid, r in records.items()
+               if r.outer_step == outer_step and r.phase == READY and r.sha256 == global_sha256}
+    members[peer_id] = reachability
+    leaders = sorted((pid for pid, mode in members.items() if mode == DIRECT),
+                     key=lambda pid: leader_rank(outer_step, pid))[:MAX_LEADERS]
+    if not leaders:
+        return None
+    return Membership(tuple(leaders), len(members))
+
+
+class PlannedMatchmaking(ScreenedMatchmaking):
+    """hivemind's matchmaking, which forms a round's group by its membership plan when the round's
+    gathered metadata holds one (see the module's docstring), and as hivemind does otherwise.
+
+    A planned member neither declares itself on the DHT nor leads a group unless the plan's earlier
+    leaders failed it; a planned leader takes join requests for its window only, whatever expiration
+    the requester declared (the plan, not the expiration, decides who leads)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.leading = False
+
+    def _plan(self) -> Optional[GroupMetadata]:
+        """This peer's own metadata for the round being matched, if it holds a membership plan."""
+        if self.step_control is None:
+            return None
+        member, _ = parse_gathered(self.step_control.data_for_gather)
+        return member.metadata if member is not None and member.metadata.leaders else None
+
+    @property
+    def window_s(self) -> float:
+        return WINDOW_MATCHMAKING_TIMES * self.min_matchmaking_time
+
+    async def _request_join_potential_leaders(self, step: StepControl) -> GroupInfo:
+        plan = self._plan()
+        if plan is None:
+            return await super()._request_join_potential_leaders(step)
+        me = self.peer_id.to_base58()
+        loop = asyncio.get_event_loop()
+        for leader in plan.leaders:
+            window_end = loop.time() + self.window_s
+            if leader == me:
+                group = await self._lead(plan, window_end)
+            else:
+                group = await self._join(PeerID.from_base58(leader), window_end)
+            if group is not None:
+                return group
+        return await self._give_up()
+
+    async def _join(self, leader: PeerID, window_end: float) -> Optional[GroupInfo]:
+        """Ask `leader` to take this peer in until it does or its window ends (it may not be matching yet)."""
+        loop = asyncio.get_event_loop()
+        while loop.time() < window_end and not self.assembled_group.done():
+            group = await self._request_join_group(leader)
+            if group is not None:
+                return group
+            if self.screen.refuses(leader):
+                return None
+            await asyncio.sleep(RETRY_S)
+        return self.assembled_group.result() if self.assembled_group.done() else None
+
+    async def _lead(self, plan: GroupMetadata, window_end: float) -> Optional[GroupInfo]:
+        """Take members until every one the plan expects has joined, or the window ends; then run with
+        them (at least ``min_group_size``), or disband."""
+        key = self.group_key_manager.current_key
+        expiration = get_dht_time() + max(window_end - asyncio.get_event_loop().time(), 0.0)
+        leaders = self.potential_leaders
+        # hivemind's rpc_join_group keeps each follower until this expiration, then runs with what it has
+        leaders.declared_group_key, leaders.declared_expiration_time = key, expiration
+        self.leading = True
+        try:
+            # declared on the DHT too, for members without a plan (an assistant) to find this leader
+            await self.group_key_manager.declare_averager(key, self.peer_id, expiration_time=expiration)
+            while asyncio.get_event_loop().time() < window_end and not self.assembled_group.done():
+                if self._planned_followers(plan) + 1 >= max(plan.expected, self.min_group_size):
+                    async with self.lock_request_join_group:
+                        if not self.assembled_group.done():
+                            return await self.leader_assemble_group()
+                await asyncio.sleep(0.1)
+            async with self.lock_request_join_group:
+                if self.assembled_group.done():
+                    return self.assembled_group.result()
+                if len(self.current_followers) + 1 >= self.min_group_size:
+                    return await self.leader_assemble_group()
+                await self.leader_disband_group()
+                return None
+        finally:
+            self.leading = False
+            leaders.declared_group_key, leaders.declared_expiration_time = None, float("inf")
+            await self.group_key_manager.declare_averager(key, self.peer_id, expiration, looking_for_group=False)
+
+    def _planned_followers(self, plan: GroupMetadata) -> int:
+        """Followers that joined by the same plan: strangers may join too, but do not fill the group."""
+        count = 0
+        for request in self.current_followers.values():
+            member, _ = parse_gathered(request.gather)
+            count += member is not None and member.metadata.leaders[:1] == plan.leaders[:1]
+        return count
+
+    async def _give_up(self) -> Optional[GroupInfo]:
+        """No leader of the plan took this peer in: end the matchmaking now with no group (it keeps its
+        inner steps), not at the step's deadline."""
+        async with self.lock_request_join_group:
+            if self.assembled_group.done():
+                return self.assembled_group.result()
+            self.assembled_group.set_result(None)
+        return None
+
+    def get_request_expiration_time(self) -> float:
+        if self._plan() is not None and self.step_control is not None:
+            return self.step_control.deadline  # a planned leader ignores it; hivemind's follower waits until it
+        return super().get_request_expiration_time()
+
+    def _check_reasons_to_reject(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> Optional[averaging_pb2.MessageFromLeader]:
+        refusal = self._screen_refusal(request, context)
+        if refusal is not None or self._plan() is None:
+            return refusal or super()._check_reasons_to_reject(request, context)
+        code = None
+        if not self.leading or self.assembled_group.done():
+            if self.current_leader is not None:
+                return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_A_LEADER,
+                                                       suggested_leader=self.current_leader.to_bytes())
+            code = averaging_pb2.NOT_LOOKING_FOR_GROUP
+        elif request.schema_hash != self.schema_hash:
+            code = averaging_pb2.BAD_SCHEMA_HASH
+        elif request.group_key != self.group_key_manager.current_key:
+            code = averaging_pb2.BAD_GROUP_KEY
+        elif context.remote_id == self.peer_id or context.remote_id in self.current_followers:
+            code = averaging_pb2.DUPLICATE_PEER_ID
+        return None if code is None else averaging_pb2.MessageFromLeader(code=code)

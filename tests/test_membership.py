@@ -1,0 +1,98 @@
+"""One membership per outer step (p2p_diloco/sync/membership.py), and a failed member costs only itself
+(p2p_diloco/train/round_sync.py's attempts).
+
+The plan is a function of the progress records: tested here on records alone. The swarm test runs 8
+real peers on 127.0.0.1, started together: every step must be averaged by all 8 in one group, and a
+member SIGKILLed mid all-reduce must cost the 7 others no step (they average again without it).
+"""
+
+import hashlib
+
+import pytest
+
+from p2p_diloco.metrics import read_metrics
+from p2p_diloco.swarm.progress import LOADING, READY, TRAINING, PeerProgress
+from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
+from p2p_diloco.sync.membership import MAX_LEADERS, plan_membership
+from tests.swarm_helpers import (
+    FAST_TIMEOUTS, assert_consistent, outer_steps, proc, start_bootstrap, start_peer, tiny_config_file,
+    wait_for_steps, wait_until,
+)
+
+STATE = "ab" * 32
+
+
+def record(peer: str, step: int = 4, phase: str = READY, sha: str = STATE, reachability: str = DIRECT) -> PeerProgress:
+    return PeerProgress(peer, step, sha, phase, reachability=reachability)
+
+
+def peer_ids(count: int) -> list[str]:  # base58-looking IDs; only their order matters here
+    return [f"Qm{hashlib.sha256(str(i).encode()).hexdigest()[:44]}" for i in range(count)]
+
+
+def test_every_peer_with_the_same_records_plans_the_same_leaders():
+    peers = peer_ids(10)
+    records = {p: record(p) for p in peers}
+    plans = {plan_membership(records, 4, STATE, p, DIRECT) for p in peers}
+    assert len(plans) == 1
+    plan = plans.pop()
+    assert plan.expected == 10 and len(plan.leaders) == MAX_LEADERS and set(plan.leaders) <= set(peers)
+    # the order rotates with the step: over a few steps, more than one peer leads
+    firsts = {plan_membership(records, step, STATE, peers[0], DIRECT).leaders[0] for step in range(12)}
+    assert len(firsts) > 1
+
+
+def test_the_plan_counts_ready_peers_of_this_state_and_leads_with_dialable_ones():
+    peers = peer_ids(6)
+    records = {
+        peers[0]: record(peers[0]),
+        peers[1]: record(peers[1], reachability=UNREACHABLE),  # a member, never a leader
+        peers[2]: record(peers[2], phase=TRAINING),  # still training after round_wait_timeout: not expected
+        peers[3]: record(peers[3], phase=LOADING),
+        peers[4]: record(peers[4], sha="cd" * 32),  # another state: it could not average with this one
+        peers[5]: record(peers[5], step=5),
+    }
+    plan = plan_membership(records, 4, STATE, peers[0], DIRECT)
+    assert plan.expected == 2 and plan.leaders == (peers[0],)
+    # this peer's own record may not be fresh yet: it is a member anyway
+    assert plan_membership({}, 4, STATE, peers[0], DIRECT).expected == 1
+    # nobody at the step can be dialled: no plan, hivemind's matchmaking (and an assistant) instead
+    assert plan_membership({peers[1]: records[peers[1]]}, 4, STATE, peers[0], UNREACHABLE) is None
+
+
+PEERS = 8
+KILLED = PEERS - 1
+KILL_ROUND = 3  # the victim pauses as a reducer in its third all-reduce (outer step 3), and is killed there
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(600)
+def test_eight_peers_average_as_one_and_a_member_killed_mid_round_costs_only_itself(processes, tmp_path):
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS)
+    maddr = start_bootstrap(processes)
+    metrics = [start_peer(processes, f"peer{i}", config, maddr, "--wait-for-peers", str(PEERS),
+                          faults=f"allreduce_delay=60,allreduce_delay_round={KILL_ROUND}" if i == KILLED else "")
+               for i in range(PEERS)]
+    survivors = [m for i, m in enumerate(metrics) if i != KILLED]
+
+    wait_for_steps(metrics, KILL_ROUND - 1, timeout_s=360)
+    for step in range(1, KILL_ROUND):  # every step: all 8 peers in one group, one θ_global
+        records = [r for m in metrics for r in outer_steps(m) if r["outer_step"] == step]
+        assert len(records) == PEERS and {r["group_size"] for r in records} == {PEERS}, records
+    assert_consistent(metrics)
+
+    victim = f"peer{KILLED}"
+    wait_until(lambda: "pausing mid all-reduce" in processes.log(victim), 180, f"{victim} to pause mid all-reduce")
+    processes.kill(proc(processes, victim))
+
+    wait_for_steps(survivors, KILL_ROUND + 1, timeout_s=240)
+    assert_consistent(survivors)
+    for path in survivors:
+        events = read_metrics(path)
+        killed_step = next(r for r in outer_steps(path) if r["outer_step"] == KILL_ROUND)
+        # the round the victim broke was averaged again by the 7 others, and applied: their inner steps count
+        assert killed_step["group_size"] == PEERS - 1 and killed_step["attempt"] == 2, killed_step
+        assert any(r["event"] == "attempt_failed" and r["outer_step"] == KILL_ROUND - 1 for r in events), path
+        assert not [r for r in events if r["event"] in ("round_failed", "state_loaded")], path
+        next_step = next(r for r in outer_steps(path) if r["outer_step"] == KILL_ROUND + 1)
+        assert next_step["group_size"] == PEERS - 1 and next_step["attempt"] == 1, next_step
