@@ -792,26 +792,35 @@ def _interrupt(signum: int, _frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def start_benchmark(args: argparse.Namespace) -> tuple[float, Path]:
+    """What a swarm benchmark does first: log with times, make Ctrl+C and SIGTERM a KeyboardInterrupt that
+    stops every process it started (a background shell may have set SIGINT to "ignore", and SIGTERM would
+    otherwise end the script without its cleanup), and write the run config (``args.config`` with
+    ``args.steps_per_outer``) to ``args.out`` with its tokenizer. Returns (start time, config path)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    # Ctrl+C and SIGTERM stop every process this script started (a background shell may have set
-    # SIGINT to "ignore", and SIGTERM would otherwise end this script without its cleanup)
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
-    args = parse_args(argv)
-    started = time.time()
-    out = args.out
-    config = write_run_config(args.config, args.steps_per_outer or None, out / "run.toml")
+    config = write_run_config(args.config, args.steps_per_outer or None, args.out / "run.toml")
     prepare_tokenizer(config)
+    return time.time(), config
+
+
+def interrupted(e: KeyboardInterrupt) -> int:
+    print(f"interrupted ({e}); every process this benchmark started has been stopped", file=sys.stderr)
+    return 130
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    started, config = start_benchmark(args)
     try:
-        outcomes = [run_swarm("churn", args, config, out, churn=True)]
+        outcomes = [run_swarm("churn", args, config, args.out, churn=True)]
         if not args.no_baseline:
-            outcomes.append(run_swarm("baseline", args, config, out, churn=False))
+            outcomes.append(run_swarm("baseline", args, config, args.out, churn=False))
     except KeyboardInterrupt as e:
-        print(f"interrupted ({e}); every process this benchmark started has been stopped", file=sys.stderr)
-        return 130
+        return interrupted(e)
     results = [analyze(o, config) for o in outcomes]
-    report(results, args, config, out, time.time() - started)
+    report(results, args, config, args.out, time.time() - started)
     return 0 if all(o.reached_target and not o.leftover_pids for o in outcomes) else 1
 
 
