@@ -91,6 +91,7 @@ class Params:
     attempts: int = 2
     churn_per_step: float = 0.0
     fail_model: str = "attempt"
+    host_cores: int = 0  # 0: every peer on a machine of its own; C: all N peers share C cores (a local benchmark)
 
 
 def membership_s(p: Params, n: int, dead_leaders: int = 0, dead_followers: bool = False) -> float:
@@ -245,8 +246,19 @@ def one_step(p: Params, rng: np.random.Generator, n: int, g: int, strategy: str,
     return end, counted / n, end - float(ready.mean()) if len(ready) else 0.0
 
 
+def on_shared_host(p: Params, n: int) -> Params:
+    """With --host-cores C, all n peers share C cores (as in benchmarks/scale.py on one machine): every CPU cost
+    (compute, each stream's handling, a reducer's work, the commit's DHT work, a join request) is stretched by
+    max(1, n / C); transfers are loopback's. Without it, `p` as it is."""
+    crowd = max(1.0, n / p.host_cores) if p.host_cores else 1.0
+    return dataclasses.replace(p, compute_s=p.compute_s * crowd, stream_overhead_s=p.stream_overhead_s * crowd,
+                               reduce_s_per_mb_per_sender=p.reduce_s_per_mb_per_sender * crowd,
+                               commit_s=p.commit_s * crowd, join_cost_s=p.join_cost_s * crowd)
+
+
 def simulate(p: Params, n: int, g: int, strategy: str, fail_p: float, trials: int, seed: int) -> dict:
     """`trials` steps with a generator seeded by (seed, n, g, fail_p): the strategies share their draws."""
+    p = on_shared_host(p, n)
     rng = np.random.default_rng([seed, n, g, round(fail_p * 1e6)])
     r = np.array([one_step(p, rng, n, g, strategy, fail_p) for _ in range(trials)])
     return dict(peers=n, group=g, shape="flat" if g >= n else f"G={g}", strategy=strategy, fail_p=fail_p,
@@ -393,6 +405,9 @@ def main() -> None:
     ap.add_argument("--commit-timeout-s", type=float, default=d.commit_timeout_s,
                     help="time to give up on a missing commit report (swarm.commit_timeout)")
     ap.add_argument("--attempts", type=int, default=d.attempts, help="sync attempts per step for retry")
+    ap.add_argument("--host-cores", type=int, default=d.host_cores,
+                    help="0: each peer on its own machine; C: all N peers share C cores, every CPU cost stretched "
+                         "by N/C (to check the model against benchmarks/scale.py on one machine)")
     ap.add_argument("--churn-per-step", type=float, default=d.churn_per_step,
                     help="expected joiners per step (Poisson); they load state and count nothing this step")
     ap.add_argument("--calibrate", metavar="FILE", help="JSON list of measured points; print simulated vs measured")
