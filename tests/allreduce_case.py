@@ -3,7 +3,9 @@
     python -m tests.allreduce_case CODEC CASE_DIR
 
 reads ``CASE_DIR/inputs.pt``: ``{"rounds": [{"inputs": one list of tensors per peer, "starts": the
-θ_global sha256 each peer names}, ...], "samples": one int per peer, "error_feedback": bool}``. It
+θ_global sha256 each peer names, "leaders": optional, the round's membership plan as peer indices in
+order, ``"dead"`` for a peer ID that no node holds}, ...], "samples": one int per peer,
+"error_feedback": bool}``. It
 starts one DHT node and one :class:`OuterSync` in `CODEC` per peer on 127.0.0.1 and averages once per
 round, as the training loop does: a round that fails leaves its Δ owed to the next one, and with
 error feedback each peer sends Δ + e and commits what the group counted of it
@@ -42,6 +44,7 @@ from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.node_runner import setup_logging
 from p2p_diloco.swarm.node import start_run_node, visible_maddrs
 from p2p_diloco.sync.exact_allreduce import ExactAllReduceRunner
+from p2p_diloco.sync.membership import Membership
 from p2p_diloco.sync.outer_sync import OuterSync, RoundFailed
 from p2p_diloco.train.error_feedback import ErrorFeedback
 
@@ -128,7 +131,8 @@ def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: l
         ef = feedback[i]
         to_send[i] = ef.compensate(indices, delta) if ef is not None else delta
         try:
-            results[i] = syncs[i].average(to_send[i], samples[i], outer_step=step, global_sha256=round_["starts"][i])
+            results[i] = syncs[i].average(to_send[i], samples[i], outer_step=step, global_sha256=round_["starts"][i],
+                                          membership=planned(syncs, round_.get("leaders")))
         except RoundFailed as e:  # reported to the test; the Δ stays owed
             owed[i], errors[i] = delta, repr(e)
             return
@@ -159,6 +163,17 @@ def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: l
         "to_send": to_send,
         "counted": [r.sent if r is not None else None for r in results],
     }
+
+
+DEAD_PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # a well-formed peer ID that no node here holds
+
+
+def planned(syncs: list[OuterSync], leaders: Optional[list]) -> Optional[Membership]:
+    """The membership plan `leaders` names (peer indices, or "dead"), every peer of the case expected."""
+    if leaders is None:
+        return None
+    return Membership(tuple(DEAD_PEER if leader == "dead" else syncs[leader].peer_id for leader in leaders),
+                      expected=len(syncs))
 
 
 def summary(result: dict) -> dict:

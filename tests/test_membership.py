@@ -9,15 +9,18 @@ member SIGKILLed mid all-reduce must cost the 7 others no step (they average aga
 import hashlib
 
 import pytest
+import torch
 
 from p2p_diloco.metrics import read_metrics
 from p2p_diloco.swarm.progress import LOADING, READY, TRAINING, PeerProgress
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
 from p2p_diloco.sync.membership import MAX_LEADERS, plan_membership
+from tests.allreduce_case import START
 from tests.swarm_helpers import (
     FAST_TIMEOUTS, assert_consistent, outer_steps, proc, start_bootstrap, start_peer, tiny_config_file,
     wait_for_steps, wait_until,
 )
+from tests.test_exact_allreduce import SHAPES, run_case
 
 STATE = "ab" * 32
 
@@ -58,6 +61,25 @@ def test_the_plan_counts_ready_peers_of_this_state_and_leads_with_dialable_ones(
     assert plan_membership({}, 4, STATE, peers[0], DIRECT).expected == 1
     # nobody at the step can be dialled: no plan, hivemind's matchmaking (and an assistant) instead
     assert plan_membership({peers[1]: records[peers[1]]}, 4, STATE, peers[0], UNREACHABLE) is None
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_members_join_the_planned_leader_and_pass_over_a_dead_one(tmp_path):
+    """Three real averagers: one round led by the peer the plan names, one whose first leader is a peer ID
+    no node holds (dead): each ends with the three in one group and the same bytes."""
+    peers, samples = 3, [16, 48, 160]
+    generator = torch.Generator().manual_seed(0)
+    rounds = [{"inputs": [[torch.randn(s, generator=generator) for s in SHAPES] for _ in range(peers)],
+               "starts": [START] * peers, "leaders": leaders} for leaders in ([2, 0], ["dead", 1])]
+    case = run_case("none", {"rounds": rounds, "samples": samples}, tmp_path)
+    for round_, result in zip(rounds, case["rounds"]):
+        assert result["errors"] == [None] * peers, (round_["leaders"], result["errors"])
+        assert result["group_size"] == [peers] * peers and len(set(result["mean_sha256"])) == 1
+        expected = [sum(w * x[j].double() for w, x in zip(samples, round_["inputs"])) / sum(samples)
+                    for j in range(len(SHAPES))]
+        for got, want in zip(result["means"][0], expected):
+            assert torch.allclose(got.double(), want, atol=1e-6)
 
 
 PEERS = 8
