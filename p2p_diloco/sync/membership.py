@@ -10,12 +10,13 @@ Here the membership comes from the progress records every peer reads anyway
 (:mod:`p2p_diloco.swarm.progress`), the way torchft forms a quorum from a shared view instead of an
 election. Once no peer at the step is still training (``round_wait_timeout``), each peer computes
 :func:`plan_membership`: the ready peers at its step and state, and from those that others can dial,
-an order of leaders that rotates with the step (sha256 of step and peer ID). Every member asks the
-first leader of that order to take it in (:class:`PlannedMatchmaking`); the leader starts the
-all-reduce as soon as every member it expects has joined, or when its window closes with whoever
-came. A member whose leader does not answer within the window asks the next leader of the order,
-and so does the next leader itself: a leader that died costs one window, not the step. A peer that
-misses the group keeps its inner steps for the next step, as before.
+an order of leaders that changes every step (sha256 of the step, θ_global and the peer ID). Every
+member asks the first leader of that order to take it in (:class:`PlannedMatchmaking`); the leader
+starts the all-reduce as soon as every member it expects has joined, or when its window closes with
+whoever came. A member whose leader does not take it within the window asks the next leader of the
+order, and so does the next leader itself: a leader that died costs one window, not the step, and one
+that takes members in and never starts costs them three. A peer that misses the group keeps its
+inner steps for the next step, as before.
 
 Peers that hold the same records compute the same plan, so they meet in one group. Two views that
 differ name the same first leader unless they differ in that leader itself; then the step may split
@@ -60,10 +61,12 @@ class Membership:
         return dict(leaders=list(self.leaders), expected=self.expected)
 
 
-def leader_rank(outer_step: int, peer_id: str) -> bytes:
-    """A peer's place in the order of leaders at `outer_step`: the order rotates with the step, so no one
-    peer leads every round, and every peer computes the same order from the same peers."""
-    return hashlib.sha256(f"{outer_step}:{peer_id}".encode()).digest()
+def leader_rank(outer_step: int, global_sha256: str, peer_id: str) -> bytes:
+    """A peer's place in the order of leaders of the round from the θ_global `global_sha256` at `outer_step`:
+    every peer computes the same order from the same peers, and it changes every step, so no one peer leads
+    every round. θ_global is known only once the step before is committed, so an identity cannot be
+    ground in advance to come first in every round."""
+    return hashlib.sha256(f"{outer_step}:{global_sha256}:{peer_id}".encode()).digest()
 
 
 def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sha256: str, peer_id: str,
@@ -78,7 +81,7 @@ def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sh
                if r.outer_step == outer_step and r.phase == READY and r.sha256 == global_sha256}
     members[peer_id] = reachability
     leaders = sorted((pid for pid, mode in members.items() if mode == DIRECT),
-                     key=lambda pid: leader_rank(outer_step, pid))[:MAX_LEADERS]
+                     key=lambda pid: leader_rank(outer_step, global_sha256, pid))[:MAX_LEADERS]
     if not leaders:
         return None
     return Membership(tuple(leaders), len(members))
@@ -95,6 +98,7 @@ class PlannedMatchmaking(ScreenedMatchmaking):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.leading = False
+        self.follow_until: Optional[float] = None  # DHT time until which this member waits for the leader it joined
 
     def _plan(self) -> Optional[GroupMetadata]:
         """This peer's own metadata for the round being matched, if it holds a membership plan."""
@@ -124,8 +128,12 @@ class PlannedMatchmaking(ScreenedMatchmaking):
         return await self._give_up()
 
     async def _join(self, leader: PeerID, window_end: float) -> Optional[GroupInfo]:
-        """Ask `leader` to take this peer in until it does or its window ends (it may not be matching yet)."""
+        """Ask `leader` to take this peer in until it does or its window ends (it may not be matching yet).
+        Once taken in, wait for the all-reduce to begin until two more windows have passed (the leader may
+        have begun its window later): a leader that takes members and never begins costs them three
+        windows, not the round."""
         loop = asyncio.get_event_loop()
+        self.follow_until = get_dht_time() + window_end - loop.time() + 2 * self.window_s
         while loop.time() < window_end and not self.assembled_group.done():
             group = await self._request_join_group(leader)
             if group is not None:
@@ -183,8 +191,8 @@ class PlannedMatchmaking(ScreenedMatchmaking):
         return None
 
     def get_request_expiration_time(self) -> float:
-        if self._plan() is not None and self.step_control is not None:
-            return self.step_control.deadline  # a planned leader ignores it; hivemind's follower waits until it
+        if self._plan() is not None and self.follow_until is not None:
+            return self.follow_until  # a planned leader ignores it; hivemind's follower waits for the leader until it
         return super().get_request_expiration_time()
 
     def _check_reasons_to_reject(
