@@ -6,7 +6,8 @@ import pytest
 
 from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.progress import (
-    LOADING, READY, TRAINING, PeerProgress, SilentPeers, agreed_sha256, parse_progress, plan_averaging, plan_round,
+    LEFT, LOADING, READY, TRAINING, PeerProgress, SilentPeers, agreed_sha256, merge_seen, parse_progress,
+    plan_averaging, plan_round,
 )
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
 from p2p_diloco.sync.assistant import RoundsToAssist, step_needing_help
@@ -130,3 +131,19 @@ def test_a_waiting_peer_gives_up_only_on_reachable_peers_that_do_not_answer_twic
     assert silent.check(busy) == []  # one miss is not enough
     assert silent.check(busy) == ["dead"]
     assert silent.gone == {"dead"}  # an unreachable peer may not answer: it is waited for until the timeout
+
+
+def test_a_record_that_a_read_misses_stands_until_it_expires_or_its_author_replaces_it():
+    def rec(peer, step, phase=READY, at=0.0):
+        return PeerProgress(peer, step, "ab" * 32, phase, time=at)
+
+    seen = merge_seen({}, [(rec("a", 3, at=1.0), 100.0), (rec("b", 3, at=1.0), 50.0)], now=10.0)
+    # the next read misses b (a slow DHT node): b stands; a moved on: its newer record replaces the old one
+    seen = merge_seen(seen, [(rec("a", 4, TRAINING, at=2.0), 110.0)], now=20.0)
+    assert {peer: r.outer_step for peer, (r, _) in seen.items()} == {"a": 4, "b": 3}
+    # an older record of a, read late from another node, does not replace its newer one
+    seen = merge_seen(seen, [(rec("a", 3, at=1.0), 100.0)], now=21.0)
+    assert seen["a"][0].outer_step == 4
+    # b's record expires unless b refreshes it; a's LEFT record replaces its last one (the caller omits it)
+    seen = merge_seen(seen, [(rec("a", 4, LEFT, at=3.0), 120.0)], now=60.0)
+    assert set(seen) == {"a"} and seen["a"][0].phase == LEFT

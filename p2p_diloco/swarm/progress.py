@@ -30,9 +30,10 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from hivemind import DHT
+from hivemind.utils import get_dht_time
 
 from p2p_diloco.remote_input import warn_once
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
@@ -77,9 +78,35 @@ def _of_this_run(author: str, record: ProgressValue, fingerprint: str) -> Option
 
 def read_progress(dht: DHT, key: str, fingerprint: str) -> list[PeerProgress]:
     """The live progress records under `key` of the peers that train with `fingerprint` (LEFT omitted)."""
-    records = (_of_this_run(author, record, fingerprint)
-               for author, record, _ in signed_records(dht, key, ProgressValue, "progress record"))
-    return [record for record in records if record is not None and record.phase != LEFT]
+    return [record for record, _ in _read_expiring(dht, key, fingerprint) if record.phase != LEFT]
+
+
+def _read_expiring(dht: DHT, key: str, fingerprint: str) -> Iterator[tuple[PeerProgress, float]]:
+    """(record, its DHT expiration time) of each record under `key` of the peers that train with `fingerprint`."""
+    for author, value, expiration in signed_records(dht, key, ProgressValue, "progress record"):
+        record = _of_this_run(author, value, fingerprint)
+        if record is not None:
+            yield record, expiration
+
+
+Seen = dict[str, tuple[PeerProgress, float]]  # peer ID -> its latest record seen, and when that record expires
+
+
+def merge_seen(seen: Seen, read: Iterable[tuple[PeerProgress, float]], now: float) -> Seen:
+    """The records a peer knows after a DHT read: each author's latest (by the time it wrote in it) of
+    those `read` now and those `seen` before, until the record's DHT expiration has passed.
+
+    A DHT read can miss records: the nodes that hold some of them answer too late. With 24 peers on
+    2 cores, 7 peers stopped waiting for the 14 others still training, whose records their reads did not
+    return, and averaged as a group of 7 while the 14 formed their own. So a record seen once stands
+    until it expires, as it does on the DHT, or until its author replaces it (a LEFT record included:
+    the caller leaves those out)."""
+    merged = {peer: (record, expiration) for peer, (record, expiration) in seen.items() if expiration > now}
+    for record, expiration in read:
+        held = merged.get(record.peer_id)
+        if held is None or record.time >= held[0].time:
+            merged[record.peer_id] = (record, expiration)
+    return merged
 
 
 class SwarmProgress:
@@ -97,6 +124,7 @@ class SwarmProgress:
         self._unverified: dict[str, tuple[int, str]] = {}  # peer ID -> the state it claims that nobody served
         self._refused_states: set[str] = set()  # sha256 of states this peer refused after downloading them
         self._distrusted: set[str] = set()  # identities that served a malformed or refused state
+        self._seen: Seen = {}  # every record read and not yet expired (merge_seen)
         self._publisher = RecordPublisher(dht, self.key, record_subkey, ttl, "progress")
 
     def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0) -> None:
@@ -109,9 +137,13 @@ class SwarmProgress:
 
     def fetch(self) -> dict[str, PeerProgress]:
         """Live records of this run's peers, this one included (peers that left are omitted, and so are
-        claims of a state that nobody served)."""
+        claims of a state that nobody served). A record read before stands until it expires, though this
+        read missed it (:func:`merge_seen`)."""
         records = {}
-        for record in read_progress(self.dht, self.key, self.fingerprint):
+        self._seen = merge_seen(self._seen, _read_expiring(self.dht, self.key, self.fingerprint), get_dht_time())
+        for record, _ in self._seen.values():
+            if record.phase == LEFT:
+                continue
             if record.peer_id != self.peer_id and (record.peer_id in self._distrusted
                                                    or record.sha256 in self._refused_states):
                 continue

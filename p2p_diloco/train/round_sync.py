@@ -95,6 +95,9 @@ class RoundSync:
         failed: list[str] = []
         for attempt in range(1, self.attempts + 1):
             membership = plan_membership(records, step, global_sha256, self.peer_id, self.reachability_mode)
+            if membership is not None:
+                logger.info("outer step %d: %d peer(s) ready to average; leader %s", step + 1, membership.expected,
+                            " then ".join(leader[-8:] for leader in membership.leaders))
             try:
                 result = self.sync.average(to_send, samples, step, global_sha256, fragment, stop=self.stop_event,
                                            membership=membership)
