@@ -172,18 +172,24 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def start_slot(slot: Slot, config: Path, maddr: str, ledger: ProcessLedger) -> None:
+def start_slot(slot: Slot, config: Path, maddr: str, ledger: ProcessLedger, *extra: str, faults: str = "",
+               benchmark: str = "churn") -> None:
+    """Start the slot's peer (`extra`: more `peer` options; `faults`: its P2P_DILOCO_FAULTS, none by default)."""
+    env = child_env()
+    if faults:
+        env["P2P_DILOCO_FAULTS"] = faults
     slot.starts += 1
     with open(slot.log_path, "a") as log:
-        log.write(f"===== churn benchmark: start #{slot.starts} of peer {slot.index} at {time.ctime()}\n")
+        log.write(f"===== {benchmark} benchmark: start #{slot.starts} of peer {slot.index} at {time.ctime()}"
+                  f"{f' with P2P_DILOCO_FAULTS={faults}' if faults else ''}\n")
         log.flush()
         slot.proc = subprocess.Popen(
             cli_command(
                 "peer", "--config", str(config), "--host", "127.0.0.1", "--initial-peers", maddr,
                 "--identity-path", str(slot.key_path), "--metrics-file", str(slot.metrics_path),
-                "--checkpoint-dir", str(slot.checkpoint_dir),
+                "--checkpoint-dir", str(slot.checkpoint_dir), *extra,
             ),
-            stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True,
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
     slot.started_at = time.time()
     slot.restart_at, slot.signalled, slot.exit_noted = None, False, False
@@ -668,7 +674,7 @@ def analyze(outcome: RunOutcome, config: Path) -> dict:
 
 
 # ----- report -------------------------------------------------------------------------------------
-def _fmt(value, spec: str = ".1f") -> str:
+def fmt(value, spec: str = ".1f") -> str:
     return "–" if value is None else format(value, spec)
 
 
@@ -693,21 +699,21 @@ def markdown_table(results: list[dict]) -> str:
                                                 for k in ("SIGKILL", "SIGTERM", "restart")) if r["chaos_counts"] else "none"),
         row("peer processes that exited on their own (crashed)", lambda r: str(len(r["unexpected_exits"]))),
         row("run wall time (start-up to stop)", lambda r: f"{r['wall_s']:.0f} s"),
-        row("time from step 1 to the last step", lambda r: _fmt(r["seconds_step_1_to_last"], ".0f") + " s"),
-        row("median / mean gap between outer steps", lambda r: f"{_fmt(r['median_gap_s'])} s / {_fmt(r['mean_gap_s'])} s"),
+        row("time from step 1 to the last step", lambda r: fmt(r["seconds_step_1_to_last"], ".0f") + " s"),
+        row("median / mean gap between outer steps", lambda r: f"{fmt(r['median_gap_s'])} s / {fmt(r['mean_gap_s'])} s"),
         row("longest gap between outer steps", longest),
         row("cause of the longest gap", lambda r: r["longest_gap"]["cause"] if r["longest_gap"] else "–"),
-        row("mean group size per step", lambda r: _fmt(r["mean_group_size"], ".2f")),
+        row("mean group size per step", lambda r: fmt(r["mean_group_size"], ".2f")),
         row("samples averaged into θ_global (Σ over steps)", lambda r: f"{r['samples_averaged']:,}"),
         row("restart → next outer step applied (median / max)", lambda r: "–" if not r["restart_to_outer_step_s"]
             else "{median:.0f} s / {max:.0f} s".format(**r["restart_to_outer_step_s"])),
-        row("SIGTERM → process exited (max)", lambda r: _fmt(r["sigterm_leave_s_max"]) + " s"
+        row("SIGTERM → process exited (max)", lambda r: fmt(r["sigterm_leave_s_max"]) + " s"
             if r["sigterm_leave_s_max"] is not None else "–"),
         row("steps where peers held different θ_global",
             lambda r: str(len(r["disagreements"]["steps_with_different_global_models"]))),
         row("rounds not applied (round_failed records)", lambda r: _counts(r["disagreements"]["round_failed_by_reason"])),
         row("state downloads (state_loaded records)", lambda r: _counts(r["disagreements"]["state_loaded_by_reason"])),
-        row("final eval loss (θ_global, held-out)", lambda r: _fmt(r["final_eval_loss"], ".4f")),
+        row("final eval loss (θ_global, held-out)", lambda r: fmt(r["final_eval_loss"], ".4f")),
     ]
     return "\n".join(lines)
 

@@ -78,11 +78,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.churn import (  # noqa: E402 (the repository is on the path now)
-    LEDGER_EVERY_POLLS, POLL_S, SETTLE_TIMEOUT_S, ProcessLedger, Slot, child_env, clean_run_dir, crash_tree,
-    first_step_times, frontier, interrupted, normalize_reason, read_slot_metrics, reap_leftovers, scan_logs,
-    start_benchmark, step_gaps, step_records, stop_slots,
+    LEDGER_EVERY_POLLS, POLL_S, SETTLE_TIMEOUT_S, ProcessLedger, Slot, clean_run_dir, crash_tree, first_step_times,
+    fmt, frontier, interrupted, normalize_reason, read_slot_metrics, reap_leftovers, scan_logs, start_benchmark,
+    start_slot, step_gaps, step_records, stop_slots,
 )
-from p2p_diloco.demo import DEFAULT_CONFIG, cli_command, start_bootstrap, stop_process  # noqa: E402
+from p2p_diloco.demo import DEFAULT_CONFIG, start_bootstrap, stop_process  # noqa: E402
 from p2p_diloco.process_tree import descendant_pids, is_running, wait_gone  # noqa: E402
 
 logger = logging.getLogger("benchmarks.scale")
@@ -95,29 +95,6 @@ ROUTINE = ("reachability", "join", "outer_step", "state_loaded", "exit", "round_
 
 
 # ----- processes ----------------------------------------------------------------------------------
-def start_peer(slot: Slot, config: Path, maddr: str, wait_for_peers: int, ledger: ProcessLedger,
-               faults: Optional[str] = None) -> None:
-    """benchmarks/churn.py's start_slot, with ``--wait-for-peers`` and, for the victim, P2P_DILOCO_FAULTS."""
-    env = child_env()  # OMP_NUM_THREADS=1, no faults
-    if faults:
-        env["P2P_DILOCO_FAULTS"] = faults
-    slot.starts += 1
-    with open(slot.log_path, "a") as log:
-        log.write(f"===== scale benchmark: start of peer {slot.index} at {time.ctime()}"
-                  f"{f' with P2P_DILOCO_FAULTS={faults}' if faults else ''}\n")
-        log.flush()
-        slot.proc = subprocess.Popen(
-            cli_command(
-                "peer", "--config", str(config), "--host", "127.0.0.1", "--initial-peers", maddr,
-                "--identity-path", str(slot.key_path), "--metrics-file", str(slot.metrics_path),
-                "--checkpoint-dir", str(slot.checkpoint_dir), "--wait-for-peers", str(wait_for_peers),
-            ),
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
-    slot.started_at = time.time()
-    ledger.add([slot.proc.pid])
-
-
 def session_members(session_ids: set[int]) -> list[int]:
     """Every live process in one of these sessions. Each peer leads a session of its own
     (start_new_session), and its DHT and averager processes and their p2pd stay in it even when they
@@ -204,7 +181,7 @@ def run_swarm(n: int, args: argparse.Namespace, config: Path, out: Path) -> Swar
     slots = [Slot(i, run_dir, out / "keys" / f"peer-{i}.key") for i in range(n)]
     victim = slots[-1] if args.kill_mid_round else None
     faults = (f"allreduce_delay={args.kill_pause_s:g},allreduce_delay_round={args.kill_mid_round}"
-              if victim else None)
+              if victim else "")
     sessions: set[int] = set()
     started_mono = time.monotonic()
     bootstrap, maddr = start_bootstrap(run_dir)
@@ -214,7 +191,8 @@ def run_swarm(n: int, args: argparse.Namespace, config: Path, out: Path) -> Swar
     run.started = time.time()
     try:
         for slot in slots:
-            start_peer(slot, config, maddr, n, ledger, faults if slot is victim else None)
+            start_slot(slot, config, maddr, ledger, "--wait-for-peers", str(n),
+                       faults=faults if slot is victim else "", benchmark="scale")
             sessions.add(slot.proc.pid)
         deadline = started_mono + args.timeout_s
         watch = LogWatch(victim.log_path) if victim else None
@@ -447,10 +425,6 @@ def analyze(run: SwarmRun) -> dict:
 
 
 # ----- report -------------------------------------------------------------------------------------
-def _fmt(value, spec: str = ".1f") -> str:
-    return "–" if value is None else format(value, spec)
-
-
 def _sizes(step: dict) -> str:
     return "+".join(f"{size}×{count}" for size, count in step["group_sizes"].items()) or "none"
 
@@ -481,17 +455,17 @@ def markdown_table(results: list[dict], kill_step: Optional[int]) -> str:
         cells = [
             str(r["peers"]) + ("" if r["reached_target"] else " (timed out)"),
             "–" if r["median_gap_s"] is None else f"{r['median_gap_s']:.1f} / {r['max_gap_s']:.1f} s",
-            _fmt(r["start_to_step_1_s"], ".0f") + (" s" if r["start_to_step_1_s"] is not None else ""),
+            fmt(r["start_to_step_1_s"], ".0f") + (" s" if r["start_to_step_1_s"] is not None else ""),
             " / ".join(_sizes(s) for s in steps),
             " / ".join(str(s["hashes"]) for s in steps),
             " / ".join(str(s["missing"]) for s in steps),
             _by_reason(r["state_loaded_by_reason"]),
             _events(r["events_by_reason"]),
             f"{r['work_share']:.0%}",
-            _fmt(r["mean_blocked_s"]) + (" s" if r["mean_blocked_s"] is not None else ""),
+            fmt(r["mean_blocked_s"]) + (" s" if r["mean_blocked_s"] is not None else ""),
         ]
         if "ready → applied (mean)" in header:
-            cells.append(f"{_fmt(r['mean_ready_to_applied_s'])} s")
+            cells.append(f"{fmt(r['mean_ready_to_applied_s'])} s")
         if kill_step:
             kill = r["kill"]
             cells.append("–" if not kill else kill.get("verdict", kill.get("landed", "–")))
