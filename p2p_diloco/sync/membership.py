@@ -31,6 +31,7 @@ matchmaking, and a planned leader declares itself on the DHT so that those still
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Optional
@@ -87,6 +88,16 @@ def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sh
     return Membership(tuple(leaders), len(members))
 
 
+@functools.lru_cache(maxsize=1024)
+def planned_metadata(gathered: bytes) -> Optional[GroupMetadata]:
+    """The metadata in a member's gathered bytes if they are well-formed and hold a membership plan, else None.
+
+    Cached: the same bytes are asked for on every join request (this peer's own plan) and on every poll
+    of a leader's window (each follower's). The metadata is frozen (StrictModel) and never changed."""
+    member, _ = parse_gathered(gathered)
+    return member.metadata if member is not None and member.metadata.leaders else None
+
+
 class PlannedMatchmaking(ScreenedMatchmaking):
     """hivemind's matchmaking, which forms a round's group by its membership plan when the round's
     gathered metadata holds one (see the module's docstring), and as hivemind does otherwise.
@@ -102,10 +113,7 @@ class PlannedMatchmaking(ScreenedMatchmaking):
 
     def _plan(self) -> Optional[GroupMetadata]:
         """This peer's own metadata for the round being matched, if it holds a membership plan."""
-        if self.step_control is None:
-            return None
-        member, _ = parse_gathered(self.step_control.data_for_gather)
-        return member.metadata if member is not None and member.metadata.leaders else None
+        return None if self.step_control is None else planned_metadata(self.step_control.data_for_gather)
 
     @property
     def window_s(self) -> float:
@@ -175,11 +183,8 @@ class PlannedMatchmaking(ScreenedMatchmaking):
 
     def _planned_followers(self, plan: GroupMetadata) -> int:
         """Followers that joined by the same plan: strangers may join too, but do not fill the group."""
-        count = 0
-        for request in self.current_followers.values():
-            member, _ = parse_gathered(request.gather)
-            count += member is not None and member.metadata.leaders[:1] == plan.leaders[:1]
-        return count
+        plans = (planned_metadata(request.gather) for request in self.current_followers.values())
+        return sum(theirs is not None and theirs.leaders[:1] == plan.leaders[:1] for theirs in plans)
 
     async def _give_up(self) -> Optional[GroupInfo]:
         """No leader of the plan took this peer in: end the matchmaking now with no group (it keeps its
