@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import functools
 import multiprocessing
 import signal
@@ -370,6 +371,18 @@ def run_unlisted_peer(args, stop: threading.Event) -> None:
     from p2p_diloco.node_runner import PeerOptions, run_peer
 
     p2p_diloco.config.check_member = lambda cfg, peer_id: None  # run_peer imports it when it runs
+    # a stranger that asks the plan's leaders to take it in, never leads: when it ranked first it led a group that
+    # no listed peer asks to join, and the test waited in vain for their refusal (1 CI run in 4)
+    import p2p_diloco.train.round_sync as round_sync
+    planned = round_sync.plan_membership
+
+    def asking_to_join(records, step, sha256, peer_id, reachability):  # it asks the run's leaders, never leads
+        plan = planned(records, step, sha256, peer_id, reachability)
+        if plan is None or plan.leaders[:1] != (peer_id,) or len(plan.leaders) == 1:
+            return plan
+        return dataclasses.replace(plan, leaders=plan.leaders[1:])
+
+    round_sync.plan_membership = asking_to_join
     options = PeerOptions(host="127.0.0.1", initial_peers=args.initial_peers, identity_path=args.identity_path,
                           metrics_file=args.metrics_file, wait_for_peers=args.wait_for_peers)
     say(f"unlisted peer exited with {run_peer(args.config, options)}")  # it stops on its own SIGTERM handler
