@@ -140,9 +140,21 @@ def test_peers_in_step_do_not_follow_one_identitys_jump():
 def test_a_peer_alone_in_its_step_trusts_the_best_vouched_state_above_it():
     # a joiner (or a straggler left behind alone): the frontier's liar loses to the run's peers
     records = {"me": rec("me", 0, "00"), "a": rec("a", 6, "aa"), "b": rec("b", 6, "aa"), "c": rec("c", 5, "cc", READY),
-               "evil": rec("evil", 10**6, "ff"), "loading": rec("loading", 10**6, "ff", LOADING)}
+               "evil": rec("evil", 10**6, "ff")}
     assert choose_target(records, "me", 0, "00", (10**6, "ff"))[0] == (6, "aa")
     assert choose_target(records, "me", 0, "00", (6, "aa"))[0] == (6, "aa")
+    # a peer that loads vouches for nothing, not even the state it loads, but counts against every claim:
+    # with one of 2 honest peers loading, the liar one step ahead of the other no longer wins the tie
+    records = {"me": rec("me", 0, "00"), "a": rec("a", 7, "aa"), "b": rec("b", 7, "00", LOADING),
+               "evil": rec("evil", 8, "ff")}
+    assert choose_target(records, "me", 0, "00", (8, "ff"))[0] is None
+    records["b"] = rec("b", 7, "aa")  # it loaded
+    assert choose_target(records, "me", 0, "00", (8, "ff"))[0] == (7, "aa")
+    records["evil"] = rec("evil", 8, "ff", LOADING)  # nor does a liar's loading record vouch for what it claims
+    assert choose_target(records, "me", 0, "00", (8, "ff"))[0] == (7, "aa")
+    # nor does this peer's own record count, left loading by a download that failed
+    records["me"] = rec("me", 7, "00", LOADING)
+    assert choose_target(records, "me", 0, "00", (7, "aa"))[0] == (7, "aa")
     # while the run's records are split between two steps (a group commits), a third claim is not trusted
     records = {"me": rec("me", 0, "00"), "a": rec("a", 6, "aa", READY), "b": rec("b", 7, "bb"),
                "evil": rec("evil", 8, "ff")}
