@@ -1,10 +1,13 @@
-"""A round that applies nothing always says why: the swarm moved past it, or this peer is stopping.
+"""A round that applies nothing always says why: the swarm moved past it, this peer is stopping, or its
+group averaged without it.
 
 Two real DHT nodes on 127.0.0.1 with signed progress records; the round's sync reads them as a peer's would.
-Neither case reaches the all-reduce, so no averager is started.
+The first two cases never reach the all-reduce, so no averager is started; the third runs a real
+averager in a process of its own (tests/left_behind_case.py).
 """
 
 import hashlib
+import json
 import threading
 
 import pytest
@@ -48,3 +51,17 @@ def test_a_round_not_applied_names_its_reason():
             p.close()
         for node in nodes:
             node.dht.shutdown()
+
+
+@pytest.mark.timeout(200)
+def test_a_peer_its_group_left_behind_skips_the_round_while_it_matches(processes):
+    """Both peers are ready at the step and both lead in the plan; the other one moves on without this
+    one, which then skips the round (and catches up) instead of waiting out both leaders' windows and
+    failing it."""
+    case = processes.start("left-behind", module="tests.left_behind_case")
+    assert case.wait(150) == 0, processes.log("left-behind")
+    (line,) = [line for line in processes.log("left-behind").splitlines() if line.startswith('{"planned"')]
+    outcome = json.loads(line)
+    assert outcome["planned"], outcome
+    assert outcome["event"] == "round_skipped", outcome
+    assert "averaged without this peer while it was matching" in outcome["reason"], outcome

@@ -63,12 +63,23 @@ class GroupMean:
         return sorted(self.tokens)
 
 
+LEFT_BEHIND_POLL_S = 1.0  # how often a peer still matching reads whether its group went on without it
+
+
 class RoundFailed(RuntimeError):
     """No group was formed, or the all-reduce broke off: this peer has no agreed mean for the step."""
 
     def __init__(self, message: str, tensors_touched: bool):
         super().__init__(message)
         self.tensors_touched = tensors_touched
+
+
+class LeftBehind(RoundFailed):
+    """The peers this peer planned to average with averaged without it (they moved past the step while
+    it was still matching): it stopped waiting for a group that had gone, before any tensor moved."""
+
+    def __init__(self):
+        super().__init__("the group averaged without this peer", tensors_touched=False)
 
 
 def averager_prefix(run_name: str, fingerprint: str) -> str:
@@ -181,6 +192,7 @@ class OuterSync:
         fragment: int = 0,
         stop: Optional[threading.Event] = None,
         membership: Optional[Membership] = None,
+        left_behind: Callable[[], bool] = lambda: False,
     ) -> GroupMean:
         """Average `fragment` of the pseudo-gradient (its tensors, in order; with error feedback, already
         compensated) with the peers at this outer step that hold the same θ_global (`global_sha256`): the
@@ -189,7 +201,8 @@ class OuterSync:
 
         Returns only a mean that every groupmate holds too (see p2p_diloco.sync.commit) and whose every
         reducer passed its audit (p2p_diloco.sync.audit); raises RoundFailed otherwise, and then this peer
-        must apply nothing. A reducer that this peer's own observation convicts (it sent this peer other
+        must apply nothing: :class:`LeftBehind` when `left_behind` (asked about once a second until the
+        all-reduce begins) says the group went on without this peer. A reducer that this peer's own observation convicts (it sent this peer other
         averaged bytes than it states it sent everyone, or this peer's audit found its result wrong) is
         banned from this peer's groups. With `record_sent` the result's ``sent`` holds what the group
         counted of `pseudo_gradient`: the codec's round trip of each of its parts.
@@ -198,7 +211,7 @@ class OuterSync:
         token = secrets.token_hex(8)  # names this attempt in the group's round reports
         try:
             result = self._all_reduce(pseudo_gradient, samples, outer_step, global_sha256, fragment, token, stop,
-                                     membership)
+                                     membership, left_behind)
             digests = self.averager.round_digests(token, timeout=self.cfg.commit_timeout)
             if digests is None:
                 raise RoundFailed("the averager holds no record of what travelled in the round", tensors_touched=True)
@@ -244,7 +257,7 @@ class OuterSync:
 
     def _all_reduce(
         self, pseudo_gradient, samples: int, outer_step: int, global_sha256: str, fragment: int, token: str,
-        stop: threading.Event, membership: Optional[Membership],
+        stop: threading.Event, membership: Optional[Membership], left_behind: Callable[[], bool],
     ) -> GroupMean:
         self.averager.set_group_bits(group_bits(outer_step))
         indices = self.averager.fragments[fragment]
@@ -260,7 +273,8 @@ class OuterSync:
             allow_retries=False,  # a retry after a broken all-reduce would average half-averaged values
             wait=False,
         )
-        gathered = self._wait(control, stop.is_set, deadline=time.monotonic() + timeout + self.cfg.allreduce_timeout)
+        gathered = self._wait(control, stop.is_set, left_behind,
+                              deadline=time.monotonic() + timeout + self.cfg.allreduce_timeout)
         if gathered is None:
             raise RoundFailed("no group formed", tensors_touched=False)
         metadata = {}
@@ -284,11 +298,17 @@ class OuterSync:
             sent=sent,
         )
 
-    def _wait(self, control, should_stop: Callable[[], bool], deadline: float):
-        """Wait for the round, polling `should_stop` so that Ctrl+C cancels it within a second."""
+    def _wait(self, control, should_stop: Callable[[], bool], left_behind: Callable[[], bool], deadline: float):
+        """Wait for the round, polling `should_stop` so that Ctrl+C cancels it within a second, and until the
+        all-reduce begins, `left_behind` once a second."""
+        next_look = time.monotonic()
         while True:
             if should_stop() and control.cancel():
                 raise RoundFailed("cancelled: this peer is stopping", tensors_touched=control.began_allreduce)
+            if not control.began_allreduce and time.monotonic() >= next_look:
+                next_look = time.monotonic() + LEFT_BEHIND_POLL_S
+                if left_behind() and control.cancel():  # cancel() refuses once the all-reduce has begun
+                    raise LeftBehind()
             if time.monotonic() > deadline and control.cancel():  # the averager never answered: do not hang
                 raise RoundFailed("the averager did not finish the round in time", tensors_touched=True)
             try:

@@ -11,6 +11,10 @@ It runs in a background thread while inner steps go on when ``outer.sync_delay``
 (Streaming DiLoCo's overlap, arXiv 2501.18512), so it touches no training state: what it needs is
 passed in, and what it decided is returned.
 
+**A peer the group left behind catches up at once.** Until its all-reduce begins, a peer that is
+matching reads once a second whether the peers at its step went on without it, and then skips the
+round (``round_skipped``) instead of waiting out the leaders' windows.
+
 **A failure costs the failed peer, not the step.** When a member dies mid-round, the round is void
 for the group (a reducer's parts are lost, or its commit report never comes). Every survivor then
 averages the same pseudo-gradient again, with a fresh attempt token, in a group planned without the
@@ -27,10 +31,10 @@ from typing import Optional
 
 import torch
 
-from p2p_diloco.swarm.progress import READY, PeerProgress, SwarmProgress, plan_averaging
+from p2p_diloco.swarm.progress import READY, TRAINING, PeerProgress, SwarmProgress, plan_averaging
 from p2p_diloco.swarm.reachability import DIRECT
 from p2p_diloco.sync.membership import plan_membership
-from p2p_diloco.sync.outer_sync import GroupMean, OuterSync, RoundFailed
+from p2p_diloco.sync.outer_sync import GroupMean, LeftBehind, OuterSync, RoundFailed
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +104,13 @@ class RoundSync:
                             " then ".join(leader[-8:] for leader in membership.leaders))
             try:
                 result = self.sync.average(to_send, samples, step, global_sha256, fragment, stop=self.stop_event,
-                                           membership=membership)
+                                           membership=membership, left_behind=lambda: self._went_on_without(step))
                 result.attempt = attempt
                 return SyncOutcome(result, failed_attempts=failed)
+            except LeftBehind:
+                return SyncOutcome(event="round_skipped", reason=f"the peers at outer step {step} averaged without "
+                                                                 f"this peer while it was matching; catching up",
+                                   failed_attempts=failed)
             except RoundFailed as e:  # with what the user can do about it, where there is something
                 if not e.tensors_touched or attempt == self.attempts or self.stop_event.is_set():
                     reason = str(e) + (ASSISTANT_HINT if plan.needs_assistant else "")
@@ -116,6 +124,16 @@ class RoundSync:
                 logger.warning("outer step %d: attempt %d of %d failed (%s); averaging again with the %d peers ready "
                                "at the step that still answer", step + 1, attempt, self.attempts, e,
                                sum(r.outer_step == step and r.phase == READY for r in records.values()))
+
+    def _went_on_without(self, step: int) -> bool:
+        """Whether the peers at `step` averaged without this peer: a record is past the step, and no other
+        peer is still ready or training at it (so a liar's claim past the step changes nothing while honest
+        peers are at it). A peer that arrives at a step as its group starts (a joiner that just loaded the
+        state) plans a membership whose members are already averaging: without this it waited out every
+        leader's window, 3 × 3 × ``matchmaking_time``, before it caught up."""
+        others = [r for pid, r in self.progress.fetch().items() if pid != self.peer_id]
+        return (any(r.outer_step > step for r in others)
+                and not any(r.outer_step == step and r.phase in (READY, TRAINING) for r in others))
 
     def _answering(self, records: dict[str, PeerProgress], step: int) -> dict[str, PeerProgress]:
         """The records, less those of peers ready at `step` that no longer answer on the network (the
