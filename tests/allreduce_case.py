@@ -4,7 +4,9 @@
 
 reads ``CASE_DIR/inputs.pt``: ``{"rounds": [{"inputs": one list of tensors per peer, "starts": the
 θ_global sha256 each peer names, "leaders": optional, the round's membership plan as peer indices in
-order, ``"dead"`` for a peer ID that no node holds}, ...], "samples": one int per peer,
+order, ``"dead"`` for a peer ID that no node holds, "members": optional, the peer indices the plan names
+(all of them if absent), "delays": optional, the seconds each peer waits before it averages}, ...],
+"samples": one int per peer,
 "error_feedback": bool}``. It
 starts one DHT node and one :class:`OuterSync` in `CODEC` per peer on 127.0.0.1 and averages once per
 round, as the training loop does: a round that fails leaves its Δ owed to the next one, and with
@@ -130,9 +132,10 @@ def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: l
             delta = [d + o for d, o in zip(delta, owed[i])]
         ef = feedback[i]
         to_send[i] = ef.compensate(indices, delta) if ef is not None else delta
+        time.sleep(round_.get("delays", [0.0] * peers)[i])
         try:
             results[i] = syncs[i].average(to_send[i], samples[i], outer_step=step, global_sha256=round_["starts"][i],
-                                          membership=planned(syncs, round_.get("leaders")))
+                                          membership=planned(syncs, round_.get("leaders"), round_.get("members")))
         except RoundFailed as e:  # reported to the test; the Δ stays owed
             owed[i], errors[i] = delta, repr(e)
             return
@@ -168,12 +171,14 @@ def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: l
 DEAD_PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # a well-formed peer ID that no node here holds
 
 
-def planned(syncs: list[OuterSync], leaders: Optional[list]) -> Optional[Membership]:
-    """The membership plan `leaders` names (peer indices, or "dead"), every peer of the case expected."""
+def planned(syncs: list[OuterSync], leaders: Optional[list], members: Optional[list] = None) -> Optional[Membership]:
+    """The membership plan `leaders` names (peer indices, or "dead"), with the peers `members` (indices;
+    every peer of the case if None)."""
     if leaders is None:
         return None
+    members = range(len(syncs)) if members is None else members
     return Membership(tuple(DEAD_PEER if leader == "dead" else syncs[leader].peer_id for leader in leaders),
-                      expected=len(syncs))
+                      members=tuple(sorted(syncs[i].peer_id for i in members)))
 
 
 def summary(result: dict) -> dict:

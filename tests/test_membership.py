@@ -67,13 +67,22 @@ def test_the_plan_counts_ready_peers_of_this_state_and_leads_with_dialable_ones(
 @pytest.mark.timeout(240)
 def test_members_join_the_planned_leader_and_pass_over_a_dead_one(tmp_path):
     """Three real averagers: one round led by the peer the plan names, one whose first leader is a peer ID
-    no node holds (dead): each ends with the three in one group and the same bytes."""
+    no node holds (dead): each ends with the three in one group and the same bytes. In a third round the
+    leader's plan names only itself and peer 1, which comes 2 s late (of a 6 s window), while peer 2, which
+    the plan does not name (a peer that arrived at the step after the leader read the records), comes at
+    once: it fills no member's place, and the leader waits for peer 1."""
     peers, samples = 3, [16, 48, 160]
     generator = torch.Generator().manual_seed(0)
     rounds = [{"inputs": [[torch.randn(s, generator=generator) for s in SHAPES] for _ in range(peers)],
-               "starts": [START] * peers, "leaders": leaders} for leaders in ([2, 0], ["dead", 1])]
+               "starts": [START] * peers, "leaders": leaders} for leaders in ([2, 0], ["dead", 1], [0])]
+    rounds[2].update(members=[0, 1], delays=[0.0, 2.0, 0.0])
     case = run_case("none", {"rounds": rounds, "samples": samples}, tmp_path)
-    for round_, result in zip(rounds, case["rounds"]):
+    *full, late = case["rounds"]
+    # the planned members averaged together; the unplanned peer with them, or in no group at all
+    assert late["errors"][:2] == [None, None] and late["mean_sha256"][0] == late["mean_sha256"][1], late["errors"]
+    assert late["errors"][2] is None or "no group formed" in late["errors"][2], late["errors"]
+    assert late["mean_sha256"][2] in (None, late["mean_sha256"][0])
+    for round_, result in zip(rounds, full):
         assert result["errors"] == [None] * peers, (round_["leaders"], result["errors"])
         assert result["group_size"] == [peers] * peers and len(set(result["mean_sha256"])) == 1
         expected = [sum(w * x[j].double() for w, x in zip(samples, round_["inputs"])) / sum(samples)

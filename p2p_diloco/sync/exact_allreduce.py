@@ -472,6 +472,15 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
         self.sent = [torch.zeros_like(t, dtype=torch.float32).share_memory_() for t in tensors] if record_sent else None
         super().__init__(tensors, *args, **kwargs)
 
+    def plan_members(self, token: str, members: Sequence[str], timeout: float = 5.0) -> None:
+        """The members (base58) that the membership plan of this peer's round `token` names: as that round's
+        leader, it starts once they have joined (:class:`~p2p_diloco.sync.membership.PlannedMatchmaking`)."""
+        self._call("_plan_members", wait_s=timeout, token=token, members=list(members))
+
+    async def _plan_members(self, future, token: str, members: list[str]) -> None:
+        self._matchmaking.planned_members = (token, frozenset(members))
+        future.set_result(True)
+
     def _run_internal(self):
         # This runs in the averager's own process, where hivemind builds its Matchmaking by name: the name
         # is bound to our subclass there, so groups follow the round's membership plan (sync/membership.py)

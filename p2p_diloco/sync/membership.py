@@ -12,8 +12,11 @@ election. Once no peer at the step is still training (``round_wait_timeout``), e
 :func:`plan_membership`: the ready peers at its step and state, and from those that others can dial,
 an order of leaders that changes every step (sha256 of the step, θ_global and the peer ID). Every
 member asks the first leader of that order to take it in (:class:`PlannedMatchmaking`); the leader
-starts the all-reduce as soon as every member it expects has joined, or when its window closes with
-whoever came. A member whose leader does not take it within the window asks the next leader of the
+starts the all-reduce as soon as every member of its own plan has joined, or when its window closes
+with whoever came. A peer it did not plan (one that arrived at the step after the leader read the
+records, or a stranger that copies the plan) is taken in if it comes before the group starts, but
+fills no member's place: when a late joiner counted like a member, it took the place of a planned
+member that joined a moment later (a NAT test in CI), and that member lost the step. A member whose leader does not take it within the window asks the next leader of the
 order, and so does the next leader itself: a leader that died costs one window, not the step, and one
 that takes members in and never starts costs them three. A peer that misses the group keeps its
 inner steps for the next step, as before.
@@ -56,9 +59,15 @@ class Membership:
     """Who averages toward outer step t + 1, as this peer plans it from the progress records."""
 
     leaders: tuple[str, ...]  # peer IDs (base58), in the order members ask them
-    expected: int  # ready peers at the step and state, this one included: the group the leader waits for
+    members: tuple[str, ...]  # the ready peers at the step and state, this one included, sorted: whom a leader waits for
+
+    @property
+    def expected(self) -> int:
+        return len(self.members)
 
     def as_gathered(self) -> dict:
+        """What travels in the gathered metadata: the leaders and the count, not the members (a leader keeps
+        its own list, :meth:`~p2p_diloco.sync.exact_allreduce.ExactMeanAverager.plan_members`)."""
         return dict(leaders=list(self.leaders), expected=self.expected)
 
 
@@ -85,7 +94,7 @@ def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sh
                      key=lambda pid: leader_rank(outer_step, global_sha256, pid))[:MAX_LEADERS]
     if not leaders:
         return None
-    return Membership(tuple(leaders), len(members))
+    return Membership(tuple(leaders), tuple(sorted(members)))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -109,6 +118,8 @@ class PlannedMatchmaking(ScreenedMatchmaking):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.leading = False
+        # (the token of a round, its planned members): set by the averager before the round's step
+        self.planned_members: tuple[str, frozenset[str]] = ("", frozenset())
         self.follow_until: Optional[float] = None  # DHT time until which this member waits for the leader it joined
 
     def _plan(self) -> Optional[GroupMetadata]:
@@ -182,9 +193,13 @@ class PlannedMatchmaking(ScreenedMatchmaking):
             await self.group_key_manager.declare_averager(key, self.peer_id, expiration, looking_for_group=False)
 
     def _planned_followers(self, plan: GroupMetadata) -> int:
-        """Followers that joined by the same plan: strangers may join too, but do not fill the group."""
-        plans = (planned_metadata(request.gather) for request in self.current_followers.values())
-        return sum(theirs is not None and theirs.leaders[:1] == plan.leaders[:1] for theirs in plans)
+        """Followers that this peer's plan names: others may join too, but fill no member's place. None
+        counts when the averager holds no member list for this round (the leader then waits out its
+        window and runs with whoever came)."""
+        token, members = self.planned_members
+        if token != plan.token:
+            return 0
+        return sum(peer.to_base58() in members for peer in self.current_followers)
 
     async def _give_up(self) -> Optional[GroupInfo]:
         """No leader of the plan took this peer in: end the matchmaking now with no group (it keeps its

@@ -265,6 +265,8 @@ class OuterSync:
             for i, delta in zip(indices, pseudo_gradient):
                 buffers[i].copy_(delta)
         timeout = round_timeout(self.cfg)
+        if membership is not None:
+            self.averager.plan_members(token, membership.members)
         control = self.averager.step(
             gather=dict(samples=samples, outer_step=outer_step, global_sha256=global_sha256, token=token, role="peer",
                         fragment=fragment, **(membership.as_gathered() if membership else {})),
