@@ -12,8 +12,10 @@ election. Once no peer at the step is still training (``round_wait_timeout``), e
 :func:`plan_membership`: the ready peers at its step and state, and from those that others can dial,
 an order of leaders that changes every step (sha256 of the step, θ_global and the peer ID). Every
 member asks the first leader of that order to take it in (:class:`PlannedMatchmaking`); the leader
-starts the all-reduce as soon as every member of its own plan has joined, or when its window closes
-with whoever came. A peer it did not plan (one that arrived at the step after the leader read the
+starts the all-reduce as soon as every member of its own plan has joined, or with whoever came once
+no member of its plan has joined for a window (3 × ``matchmaking_time``), and after two windows at
+most: members that read a groupmate's record later than the leader did come seconds later, and a
+fixed window of the leader's left 3 of 16 out of a step in a benchmark run. A peer it did not plan (one that arrived at the step after the leader read the
 records, or a stranger that copies the plan) is taken in if it comes before the group starts, but
 fills no member's place: when a late joiner counted like a member, it took the place of a planned
 member that joined a moment later (a NAT test in CI), and that member lost the step. A member whose leader does not take it within the window asks the next leader of the
@@ -50,7 +52,8 @@ from p2p_diloco.swarm.reachability import DIRECT
 from p2p_diloco.sync.group_screen import GroupMetadata, ScreenedMatchmaking, parse_gathered
 
 MAX_LEADERS = 3  # leaders a plan names, in order: a dead first leader costs one window, two cost two
-WINDOW_MATCHMAKING_TIMES = 3  # a leader's window, in matchmaking_time: time for every member to join
+WINDOW_MATCHMAKING_TIMES = 3  # a window, in matchmaking_time: time for every member to join
+LEAD_WINDOWS = 2  # a leader takes members for at most this many windows (its members wait three for it)
 RETRY_S = 0.5  # between two join requests to a leader that is not taking members yet
 
 
@@ -137,11 +140,10 @@ class PlannedMatchmaking(ScreenedMatchmaking):
         me = self.peer_id.to_base58()
         loop = asyncio.get_event_loop()
         for leader in plan.leaders:
-            window_end = loop.time() + self.window_s
             if leader == me:
-                group = await self._lead(plan, window_end)
+                group = await self._lead(plan)
             else:
-                group = await self._join(PeerID.from_base58(leader), window_end)
+                group = await self._join(PeerID.from_base58(leader), loop.time() + self.window_s)
             if group is not None:
                 return group
         return await self._give_up()
@@ -162,11 +164,17 @@ class PlannedMatchmaking(ScreenedMatchmaking):
             await asyncio.sleep(RETRY_S)
         return self.assembled_group.result() if self.assembled_group.done() else None
 
-    async def _lead(self, plan: GroupMetadata, window_end: float) -> Optional[GroupInfo]:
-        """Take members until every one the plan expects has joined, or the window ends; then run with
-        them (at least ``min_group_size``), or disband."""
+    async def _lead(self, plan: GroupMetadata) -> Optional[GroupInfo]:
+        """Take members until every one the plan names has joined, or none has joined for a window (since
+        the last one did, or since this peer began to lead), or :data:`LEAD_WINDOWS` windows have passed;
+        then run with whoever came (at least ``min_group_size``), or disband. A member that joined waits
+        three windows from its first request (:meth:`_join`), so it never gives up before this leader has
+        decided."""
+        loop = asyncio.get_event_loop()
         key = self.group_key_manager.current_key
-        expiration = get_dht_time() + max(window_end - asyncio.get_event_loop().time(), 0.0)
+        began = loop.time()
+        end = began + LEAD_WINDOWS * self.window_s
+        expiration = get_dht_time() + LEAD_WINDOWS * self.window_s
         leaders = self.potential_leaders
         # hivemind's rpc_join_group keeps each follower until this expiration, then runs with what it has
         leaders.declared_group_key, leaders.declared_expiration_time = key, expiration
@@ -174,8 +182,11 @@ class PlannedMatchmaking(ScreenedMatchmaking):
         try:
             # declared on the DHT too, for members without a plan (an assistant) to find this leader
             await self.group_key_manager.declare_averager(key, self.peer_id, expiration_time=expiration)
-            while asyncio.get_event_loop().time() < window_end and not self.assembled_group.done():
-                if self._planned_followers(plan) + 1 >= max(plan.expected, self.min_group_size):
+            joined, last_joined = 0, began
+            while loop.time() < min(end, last_joined + self.window_s) and not self.assembled_group.done():
+                if self._planned_followers(plan) > joined:
+                    joined, last_joined = self._planned_followers(plan), loop.time()
+                if joined + 1 >= max(plan.expected, self.min_group_size):
                     async with self.lock_request_join_group:
                         if not self.assembled_group.done():
                             return await self.leader_assemble_group()
