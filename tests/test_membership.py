@@ -43,6 +43,9 @@ def test_every_peer_with_the_same_records_plans_the_same_leaders():
     # the order rotates with the step: over a few steps, more than one peer leads
     firsts = {plan_membership(records, step, STATE, peers[0], DIRECT).leaders[0] for step in range(12)}
     assert len(firsts) > 1
+    # and with every attempt at one step: rounds that keep failing there do not keep one leader
+    firsts = {plan_membership(records, 4, STATE, peers[0], DIRECT, attempt).leaders[0] for attempt in range(1, 13)}
+    assert len(firsts) > 1
 
 
 def test_the_plan_counts_ready_peers_of_this_state_and_leads_with_dialable_ones():

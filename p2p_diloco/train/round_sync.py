@@ -68,6 +68,7 @@ class RoundSync:
         self.reachability_mode = reachability_mode
         self.round_wait_timeout = round_wait_timeout
         self.stop_event = stop_event
+        self._attempts_at: tuple[int, int] = (-1, 0)  # (outer step, attempts made at it so far, in all its rounds)
 
     def __call__(self, step: int, fragment: int, to_send: list[torch.Tensor], samples: int,
                  global_sha256: str) -> SyncOutcome:
@@ -98,7 +99,8 @@ class RoundSync:
             return SyncOutcome(GroupMean(to_send, 1, samples, {self.peer_id: "alone"}))
         failed: list[str] = []
         for attempt in range(1, self.attempts + 1):
-            membership = plan_membership(records, step, global_sha256, self.peer_id, self.reachability_mode)
+            membership = plan_membership(records, step, global_sha256, self.peer_id, self.reachability_mode,
+                                         self._next_attempt_at(step))
             if membership is not None:
                 logger.info("outer step %d: %d peer(s) ready to average; leader %s", step + 1, membership.expected,
                             " then ".join(leader[-8:] for leader in membership.leaders))
@@ -124,6 +126,14 @@ class RoundSync:
                 logger.warning("outer step %d: attempt %d of %d failed (%s); averaging again with the %d peers ready "
                                "at the step that still answer", step + 1, attempt, self.attempts, e,
                                sum(r.outer_step == step and r.phase == READY for r in records.values()))
+
+    def _next_attempt_at(self, step: int) -> int:
+        """How many attempts this peer has made at averaging for `step`, this one included, over all the
+        rounds it tried at the step: the plan's order of leaders changes with it. Peers that failed the same
+        rounds together count alike (every member of a void round sees it void)."""
+        at, made = self._attempts_at
+        self._attempts_at = (step, made + 1 if at == step else 1)
+        return self._attempts_at[1]
 
     def _went_on_without(self, step: int) -> bool:
         """Whether the peers at `step` averaged without this peer: a record is past the step, and no other
