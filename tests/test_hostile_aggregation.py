@@ -35,6 +35,9 @@ pytestmark = pytest.mark.swarm
 STEPS = 3  # outer steps the honest peers must take with the attackers in the swarm (before the defence, the
 # loss of step 3 was above the first round's with ×100 and noise, of step 2 with the 2^48 claim)
 STEPS_TIMEOUT_S = 200  # a bound on a swarm's whole run (under the tests' timeout), not a speed requirement
+# bans are local: each honest peer drops a hostile reducer only once its own audit convicted it, and until then
+# the groups of peers that did and did not keep voiding (72-162 s of this bound in runs of that test)
+REDUCER_STEPS_TIMEOUT_S = 300
 
 
 @dataclass
@@ -122,14 +125,15 @@ def test_delta_scaled_by_3_or_flipped_with_an_inflated_sample_claim_cannot_poiso
     survive_sender_attacks(processes, tmp_path, honest=3, attacks=["scale:3", "samples+flip"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_a_reducer_that_returns_garbage_or_equivocates_is_caught(processes, tmp_path):
     """A reducer that returns 100 × the mean plus noise to everyone, and one that returns a different
     value to each sender, in one swarm of 3 honest peers: both must be caught, and the honest peers must
     go on with one sound θ_global."""
     honest_metrics, hostile = start_swarm(processes, tmp_path, 3, ["garbage-reducer", "equivocating-reducer"])
     wait_until(lambda: steps_reached(honest_metrics) >= STEPS and all(h.reduced_rounds(processes) for h in hostile),
-               STEPS_TIMEOUT_S, f"{STEPS} outer steps of the honest peers, after both hostile reducers reduced a round")
+               REDUCER_STEPS_TIMEOUT_S,
+               f"{STEPS} outer steps of the honest peers, after both hostile reducers reduced a round")
     assert_honest_peers_sound(processes, honest_metrics)
     void = [r["reason"] for m in honest_metrics for r in read_metrics(m)
             if r["event"] in ("round_failed", "attempt_failed")]
