@@ -155,6 +155,13 @@ def test_a_peer_alone_in_its_step_trusts_the_best_vouched_state_above_it():
     # nor does this peer's own record count, left loading by a download that failed
     records["me"] = rec("me", 7, "00", LOADING)
     assert choose_target(records, "me", 0, "00", (7, "aa"))[0] == (7, "aa")
+    # nor does a record whose claim this peer set aside (a jump it would not take on one voucher), though
+    # it counts against every claim: set aside, one honest peer that had just stepped left the other
+    # tied with the liar one step ahead of both (a CI run's joiner took the poison so)
+    records = {"me": rec("me", 0, "00"), "a": rec("a", 15, "aa"), "evil": rec("evil", 16, "ff")}
+    set_aside = {"b": rec("b", 15, "aa")}
+    assert choose_target(records, "me", 0, "00", (16, "ff"))[0] == (16, "ff")  # the hole, without them
+    assert choose_target(records, "me", 0, "00", (16, "ff"), set_aside=set_aside)[0] is None
     # while the run's records are split between two steps (a group commits), a third claim is not trusted
     records = {"me": rec("me", 0, "00"), "a": rec("a", 6, "aa", READY), "b": rec("b", 7, "bb"),
                "evil": rec("evil", 8, "ff")}

@@ -125,6 +125,9 @@ class SwarmProgress:
         self._refused_states: set[str] = set()  # sha256 of states this peer refused after downloading them
         self._distrusted: set[str] = set()  # identities that served a malformed or refused state
         self._seen: Seen = {}  # every record read and not yet expired (merge_seen)
+        # the live records that the last fetch left out because they were set aside (set_aside): no plan
+        # targets their claims, but they are peers of the run, and the state check counts them as dissent
+        self.set_aside_records: dict[str, PeerProgress] = {}
         self._publisher = RecordPublisher(dht, self.key, record_subkey, ttl, "progress")
 
     def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0) -> None:
@@ -140,6 +143,7 @@ class SwarmProgress:
         claims of a state that nobody served). A record read before stands until it expires, though this
         read missed it (:func:`merge_seen`)."""
         records = {}
+        self.set_aside_records = {}
         self._seen = merge_seen(self._seen, _read_expiring(self.dht, self.key, self.fingerprint), get_dht_time())
         for record, _ in self._seen.values():
             if record.phase == LEFT:
@@ -148,6 +152,7 @@ class SwarmProgress:
                                                    or record.sha256 in self._refused_states):
                 continue
             if self._unverified.get(record.peer_id) == (record.outer_step, record.sha256):
+                self.set_aside_records[record.peer_id] = record
                 continue
             self._unverified.pop(record.peer_id, None)  # it moved on: its new claim counts again
             records[record.peer_id] = record

@@ -438,7 +438,8 @@ class DiLoCoPeer:
         if plan.target_step <= step:  # a state at this peer's own step: the plan's vote decides
             return plan
         target, counts = choose_target(records, self.peer_id, step, self.sha256, (plan.target_step, plan.target_sha256),
-                                       frozenset(self.groupmates - self.distrusted_donors))
+                                       frozenset(self.groupmates - self.distrusted_donors),
+                                       self.progress.set_aside_records)
         if target is None:
             logger.warning("not loading outer step %d (%s): a jump of %d outer steps is taken only on at least as many "
                            "vouchers as this peer's own state has, and %s; training on from outer step %d, and trying "

@@ -41,13 +41,15 @@ state failed the check, which also asks for two vouchers at least): a state S at
 when
 
     vouchers(S) ≥ vouchers(own state)   and   vouchers(S) ≥ the vouchers of every other state above t, together
-                                              with the peers loading a state above t
+                                              with the peers loading, or set aside, above t
 
 where vouchers(S) counts the distinct identities whose live progress records (not "loading") claim S
-at T. A peer that loads vouches for no state yet, but it counts against every claim: left out, it
-would leave a liar's claim one step ahead of the swarm tied with the honest peers still in step, and
-ties go to the later step (the likely way a joiner in one CI run took the poisoned state that one
-identity claimed one step ahead of 2 honest peers). vouchers(own) counts this peer, the live records
+at T. A peer that loads vouches for no state yet, and neither does a record whose claim this peer set
+aside (it would not take that jump on so few vouchers, or nobody served it), but both count against
+every claim: left out, they would leave a liar's claim one step ahead of the swarm tied with the
+honest peers still in step, and ties go to the later step (in a CI run a joiner set aside the claim
+of one of 2 honest peers that had just stepped, and took the poisoned state that one identity claimed
+one step ahead of them). vouchers(own) counts this peer, the live records
 at t with its sha256, and the peers still committing the round that brought this peer to t (ready at t − 1: right after an outer step, a
 groupmate's record may still say so); at t = 0 this peer alone (the initial state is every fresh
 peer's, built from the seed: joiners that start together follow a peer that went ahead). A peer whose
@@ -176,16 +178,19 @@ def own_vouchers(records: dict[str, PeerProgress], peer_id: str, outer_step: int
 
 
 def choose_target(records: dict[str, PeerProgress], peer_id: str, outer_step: int, sha256: str,
-                  wanted: tuple[int, str],
-                  groupmates: frozenset = frozenset()) -> tuple[Optional[tuple[int, str]], str]:
+                  wanted: tuple[int, str], groupmates: frozenset = frozenset(),
+                  set_aside: Optional[dict[str, PeerProgress]] = None) -> tuple[Optional[tuple[int, str]], str]:
     """The state above `outer_step` this peer may load: `wanted` (the plan's target) if trusted, else the
     best-vouched trusted one (see the module docstring); None if none is. Among trusted states, one that
     a former groupmate of this peer vouches for (`groupmates`: identities it averaged with) comes first.
-    Returns it and a one-line account of the counts."""
+    `set_aside` are the live records whose claims this peer set aside: they vouch for nothing, but count
+    against every claim, as loading peers do. Returns it and a one-line account of the counts."""
     ahead = [r for peer, r in records.items() if peer != peer_id and r.outer_step > outer_step]
     votes = Counter((r.outer_step, r.sha256) for r in ahead if r.phase != LOADING)
+    ahead += [r for peer, r in (set_aside or {}).items()
+              if peer != peer_id and peer not in records and r.outer_step > outer_step]
     own = len(own_vouchers(records, peer_id, outer_step, sha256))
-    above = len(ahead)  # the loading peers count against every claim (see the module docstring)
+    above = len(ahead)  # loading and set-aside peers count against every claim (see the module docstring)
 
     def trusted(state: tuple[int, str]) -> bool:
         return state[0] == outer_step + 1 or (votes[state] >= own and votes[state] >= above - votes[state])
