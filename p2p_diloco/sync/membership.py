@@ -9,19 +9,21 @@ mean; the peers outside the largest group then downloaded its state and lost the
 Here the membership comes from the progress records every peer reads anyway
 (:mod:`p2p_diloco.swarm.progress`), the way torchft forms a quorum from a shared view instead of an
 election. Once no peer at the step is still training (``round_wait_timeout``), each peer computes
-:func:`plan_membership`: the ready peers at its step and state, and from those that others can dial,
-an order of leaders that changes every step (sha256 of the step, θ_global and the peer ID). Every
-member asks the first leader of that order to take it in (:class:`PlannedMatchmaking`); the leader
-starts the all-reduce as soon as every member of its own plan has joined, or with whoever came once
-no member of its plan has joined for a window (3 × ``matchmaking_time``), and after two windows at
-most: members that read a groupmate's record later than the leader did come seconds later, and a
-fixed window of the leader's left 3 of 16 out of a step in a benchmark run. A peer it did not plan (one that arrived at the step after the leader read the
-records, or a stranger that copies the plan) is taken in if it comes before the group starts, but
-fills no member's place: when a late joiner counted like a member, it took the place of a planned
-member that joined a moment later (a NAT test in CI), and that member lost the step. A member whose leader does not take it within the window asks the next leader of the
-order, and so does the next leader itself: a leader that died costs one window, not the step, and one
-that takes members in and never starts costs them three. A peer that misses the group keeps its
-inner steps for the next step, as before.
+:func:`plan_membership`: the ready peers at its step and state, and from those that others can dial, an
+order of leaders that changes every step and attempt (sha256 of the step, θ_global, the attempt
+and the peer ID). Every member
+asks the first leader of that order to take it in (:class:`PlannedMatchmaking`); the leader starts the
+all-reduce as soon as every member of its own plan has joined, or with whoever came once no member of
+its plan has joined for a window (3 × ``matchmaking_time``), and after two windows at most: members
+that read a groupmate's record later than the leader did come seconds later, and a fixed window of the
+leader's left 3 of 16 out of a step in a benchmark run. A peer it did not plan (one that arrived at the
+step after the leader read the records, or a stranger that copies the plan) is taken in if it comes
+before the group starts, but fills no member's place: when a late joiner counted like a member, it took
+the place of a planned member that joined a moment later (a NAT test in CI), and that member lost the
+step. A member whose leader does not take it within the window asks the next leader of the order, and
+so does the next leader itself: a leader that died costs one window, not the step, and one that takes
+members in and never starts costs them three. A peer that misses the group keeps its inner steps for
+the next step, as before.
 
 Peers that hold the same records compute the same plan, so they meet in one group. Two views that
 differ name the same first leader unless they differ in that leader itself; then the step may split
@@ -188,8 +190,9 @@ class PlannedMatchmaking(ScreenedMatchmaking):
             await self.group_key_manager.declare_averager(key, self.peer_id, expiration_time=expiration)
             joined, last_joined = 0, began
             while loop.time() < min(end, last_joined + self.window_s) and not self.assembled_group.done():
-                if self._planned_followers(plan) > joined:
-                    joined, last_joined = self._planned_followers(plan), loop.time()
+                planned = self._planned_followers(plan)
+                if planned > joined:
+                    joined, last_joined = planned, loop.time()
                 if joined + 1 >= max(plan.expected, self.min_group_size):
                     async with self.lock_request_join_group:
                         if not self.assembled_group.done():
