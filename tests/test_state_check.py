@@ -139,10 +139,13 @@ def test_peers_in_step_do_not_follow_one_identitys_jump():
 
 def test_a_peer_alone_in_its_step_trusts_the_best_vouched_state_above_it():
     # a joiner (or a straggler left behind alone): the frontier's liar loses to the run's peers
-    records = {"me": rec("me", 0, "00"), "a": rec("a", 6, "aa"), "b": rec("b", 6, "aa"), "c": rec("c", 5, "cc", READY),
+    records = {"me": rec("me", 0, "00"), "a": rec("a", 6, "aa"), "b": rec("b", 6, "aa"), "c": rec("c", 6, "aa"),
                "evil": rec("evil", 10**6, "ff")}
     assert choose_target(records, "me", 0, "00", (10**6, "ff"))[0] == (6, "aa")
     assert choose_target(records, "me", 0, "00", (6, "aa"))[0] == (6, "aa")
+    # while one of them still commits the round (ready at step 5), 2 against 2 decides nothing: it waits
+    records["c"] = rec("c", 5, "cc", READY)
+    assert choose_target(records, "me", 0, "00", (10**6, "ff"))[0] is None
     # a peer that loads vouches for nothing, not even the state it loads, but counts against every claim:
     # with one of 2 honest peers loading, the liar one step ahead of the other no longer wins the tie
     records = {"me": rec("me", 0, "00"), "a": rec("a", 7, "aa"), "b": rec("b", 7, "00", LOADING),
@@ -160,8 +163,21 @@ def test_a_peer_alone_in_its_step_trusts_the_best_vouched_state_above_it():
     # tied with the liar one step ahead of both (a CI run's joiner took the poison so)
     records = {"me": rec("me", 0, "00"), "a": rec("a", 15, "aa"), "evil": rec("evil", 16, "ff")}
     set_aside = {"b": rec("b", 15, "aa")}
-    assert choose_target(records, "me", 0, "00", (16, "ff"))[0] == (16, "ff")  # the hole, without them
     assert choose_target(records, "me", 0, "00", (16, "ff"), set_aside=set_aside)[0] is None
+    records["b"] = rec("b", 15, "aa")  # its record back: a set-aside claim does not count against itself
+    assert choose_target(records, "me", 0, "00", (16, "ff"), set_aside=set_aside)[0] == (15, "aa")
+
+
+def test_a_tie_among_the_claims_above_decides_nothing():
+    # a joiner's DHT read missed the record of one of 2 honest peers: the liar one step ahead of the other
+    # ties with it, and took the later step's tie in three CI runs; now the joiner waits and reads again
+    records = {"me": rec("me", 0, "00"), "a": rec("a", 12, "aa"), "evil": rec("evil", 13, "ff")}
+    assert choose_target(records, "me", 0, "00", (13, "ff"))[0] is None
+    records["b"] = rec("b", 12, "aa")  # the next read finds it
+    assert choose_target(records, "me", 0, "00", (13, "ff"))[0] == (12, "aa")
+    # nor does the one-state tie of a group that commits a round decide, when nothing else is claimed
+    records = {"me": rec("me", 0, "00"), "a": rec("a", 12, "aa", READY), "b": rec("b", 13, "bb")}
+    assert choose_target(records, "me", 0, "00", (13, "bb"))[0] is None
     # while the run's records are split between two steps (a group commits), a third claim is not trusted
     records = {"me": rec("me", 0, "00"), "a": rec("a", 6, "aa", READY), "b": rec("b", 7, "bb"),
                "evil": rec("evil", 8, "ff")}
@@ -169,7 +185,7 @@ def test_a_peer_alone_in_its_step_trusts_the_best_vouched_state_above_it():
     # a straggler left alone: a former groupmate's word counts before a stranger's, even one step further
     records = {"me": rec("me", 13, "00"), "mate": rec("mate", 16, "aa"), "evil": rec("evil", 17, "ff")}
     assert choose_target(records, "me", 13, "00", (17, "ff"), frozenset({"mate"}))[0] == (16, "aa")
-    assert choose_target(records, "me", 13, "00", (17, "ff"))[0] == (17, "ff")  # a joiner cannot tell them apart
+    assert choose_target(records, "me", 13, "00", (17, "ff"))[0] is None  # a joiner cannot tell them apart
     # alone against one identity, it trusts on first use
     assert choose_target({"me": rec("me", 4, "00"), "a": rec("a", 6, "aa")}, "me", 4, "00", (6, "aa"))[0] == (6, "aa")
     # joiners at step 0 together vouch for nothing: the run's initial state is every fresh peer's

@@ -40,33 +40,35 @@ with a group the rest of the swarm did not follow). Such a state is taken on the
 state failed the check, which also asks for two vouchers at least): a state S at step T > t is trusted
 when
 
-    vouchers(S) ≥ vouchers(own state)   and   vouchers(S) ≥ the vouchers of every other state above t, together
-                                              with the peers loading, or set aside, above t
+    vouchers(S) ≥ vouchers(own state)   and   vouchers(S) > dissent(S)
 
 where vouchers(S) counts the distinct identities whose live progress records (not "loading") claim S
-at T. A peer that loads vouches for no state yet, and neither does a record whose claim this peer set
-aside (it would not take that jump on so few vouchers, or nobody served it), but both count against
-every claim: left out, they would leave a liar's claim one step ahead of the swarm tied with the
-honest peers still in step, and ties go to the later step (in a CI run a joiner set aside the claim
-of one of 2 honest peers that had just stepped, and took the poisoned state that one identity claimed
-one step ahead of them). vouchers(own) counts this peer, the live records
+at T, and dissent(S) the other records above t: those that claim another state, and those of peers
+that load, or whose claim this peer set aside (it would not take that jump on so few vouchers, or
+nobody served it), unless they claim S themselves. A tie with the dissent is trusted only when a
+former groupmate of this peer vouches for S; else the peer waits and reads the records again. A peer
+that loads vouches for no state yet, and neither does a set-aside record, but both count against
+other claims: left out, they would leave a liar's claim one step ahead of the swarm tied with the
+honest peers still in step. And a tie alone decides nothing: a joiner's DHT read can miss the record
+of one of 2 honest peers, and then the liar's claim one step ahead of them ties with the other's
+(three CI runs' joiners took the poisoned state that one identity claimed one step ahead of 2 honest
+peers, while ties went to the later step). vouchers(own) counts this peer, the live records
 at t with its sha256, and the peers still committing the round that brought this peer to t (ready at t − 1: right after an outer step, a
 groupmate's record may still say so); at t = 0 this peer alone (the initial state is every fresh
 peer's, built from the seed: joiners that start together follow a peer that went ahead). A peer whose
 state nobody else vouches for (a joiner at step 0, a restart from an old checkpoint, a straggler left
 behind alone) thus trusts on first use the best-vouched state above it (one that a peer it has
 averaged with vouches for first: a stranger's record costs a signature, a groupmate's took rounds of
-averaging that passed robust aggregation), unless the claims above it
-disagree (while a group commits a round, its records are split between two steps: a liar's third
-claim then outnumbers neither, and the peer waits a round); a peer in step with others past step 0
+averaging that passed robust aggregation), unless no claim above it outnumbers the others (while a
+group commits a round, its records are split between two steps, and the peer waits a round); a peer in step with others past step 0
 never follows one identity. When the plan's target (the highest step) is not trusted, the
 best-vouched trusted state above this peer's step is loaded instead (a state one step ahead is always
 worth a try: it is verified).
 
 Catching up. A peer falls behind when its groupmates step without it (it trained more than
 ``swarm.round_wait_timeout`` longer, or froze). One step behind, its state is the parent of theirs:
-verified. Further behind alone, nobody vouches for its state: it follows the best-vouched one. Ties go
-to the later step, so that two equal halves of a swarm (k stragglers that went on averaging together,
+verified. Further behind alone, nobody vouches for its state: it follows the best-vouched one. A tie
+with its own state goes to the later step, so that two equal halves of a swarm (k stragglers that went on averaging together,
 a healed partition) join again; only a group behind that is *larger* than every group ahead keeps its
 own state, and then it is the swarm: the smaller group ahead is exactly what k Sybils look like.
 
@@ -190,18 +192,20 @@ def choose_target(records: dict[str, PeerProgress], peer_id: str, outer_step: in
     ahead += [r for peer, r in (set_aside or {}).items()
               if peer != peer_id and peer not in records and r.outer_step > outer_step]
     own = len(own_vouchers(records, peer_id, outer_step, sha256))
-    above = len(ahead)  # loading and set-aside peers count against every claim (see the module docstring)
+    known = {state: bool(vouchers(records, *state) & groupmates) for state in votes}
 
     def trusted(state: tuple[int, str]) -> bool:
-        return state[0] == outer_step + 1 or (votes[state] >= own and votes[state] >= above - votes[state])
+        # loading and set-aside peers count against every claim but the one they make themselves
+        dissent = sum((r.outer_step, r.sha256) != state for r in ahead)
+        outvoted = votes[state] > dissent or (votes[state] == dissent and known[state])
+        return state[0] == outer_step + 1 or (votes[state] >= own and outvoted)
 
     counts = (f"its state at outer step {outer_step} is vouched for by {own} identit{'y' if own == 1 else 'ies'} "
               f"(this peer included), outer step {wanted[0]} ({wanted[1][:12]}) by {votes[wanted]}")
     candidates = [state for state in votes if trusted(state)]
     if not candidates:
         return None, counts
-    known = {state: bool(vouchers(records, *state) & groupmates) for state in candidates}
-    if wanted in known and (known[wanted] or not any(known.values())):
+    if wanted in candidates and (known[wanted] or not any(known[state] for state in candidates)):
         return wanted, counts
     return max(candidates, key=lambda state: (known[state], votes[state], state[0], state[1])), counts
 
