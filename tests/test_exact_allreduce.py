@@ -179,6 +179,27 @@ def test_reducer_mean_is_the_same_bits_whatever_order_the_senders_arrive_in():
         assert torch.allclose(mean.double(), exact, rtol=1e-6, atol=1e-7)  # the terms are below 1
 
 
+def test_a_sender_whose_handler_is_cancelled_costs_the_others_nothing():
+    """The senders of a part share its result. The handler of one is cancelled while it waits (its
+    stream closed: the groupmate died or gave up), and the others, this peer's own parts included,
+    still get the part, with the input it sent counted. hivemind's plain await cancelled the shared
+    result with it, and a survivor waited for its own part until allreduce_timeout."""
+    parts, weights = reducer_inputs(3)
+
+    async def run():
+        reducer = SenderOrderReducer([part.shape for part in parts[0]], 3)
+        waiting = [asyncio.create_task(reducer.accumulate_part(s, 0, parts[s][0], weight=weights[s])) for s in (0, 1)]
+        await asyncio.sleep(0)  # both have registered their part, and wait for sender 2's
+        waiting[1].cancel()
+        last = asyncio.create_task(reducer.accumulate_part(2, 0, parts[2][0], weight=weights[2]))
+        results = await asyncio.wait_for(asyncio.gather(waiting[0], last), 30)
+        reducer.finalize()
+        return results
+
+    for result in asyncio.run(run()):
+        assert torch.equal(result, weighted_mean([p[0] for p in parts], weights))
+
+
 REDUCER_HASH = """
 import sys
 sys.path.insert(0, {repo!r})

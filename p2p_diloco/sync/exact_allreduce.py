@@ -186,7 +186,13 @@ class SenderOrderReducer(TensorPartReducer):
     async def accumulate_part(
         self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
     ) -> torch.Tensor:
-        """hivemind's, except that the part is kept, not added into a running sum."""
+        """hivemind's, except that the part is kept, not added into a running sum, and that each sender
+        awaits the part's result shielded. The senders share that future, and hivemind's plain await
+        let the cancel of one sender's handler (its stream closed: a groupmate that died or gave up)
+        cancel the future itself, and with it every other sender's result, this peer's own included:
+        its own parts then never completed, and the round hung until ``allreduce_timeout`` (a survivor
+        of a groupmate SIGKILLed mid-round, in 1 run in 4 of ``benchmarks/scale.py --peers 3
+        --kill-mid-round 3`` on a loaded machine)."""
         assert 0 <= sender_index < self.num_senders, "invalid sender index"
         assert 0 <= part_index < self.num_parts, "invalid part index"
         self.num_parts_received[sender_index] += 1
@@ -203,7 +209,7 @@ class SenderOrderReducer(TensorPartReducer):
         self.parts_by_sender[sender_index] = (tensor_part, weight)
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()
-        return await current_part_future
+        return await asyncio.shield(current_part_future)
 
     def check_current_part_finished(self):
         """Once every sender still in the round has sent the current part, aggregate it in a worker
@@ -278,6 +284,20 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container.return_deltas = False
         self.traffic = traffic
 
+    def progress(self) -> str:
+        """Where the round stands, in one line for a log: the averaged parts this peer holds from each
+        reducer, and as a reducer the part it is at and the parts each sender has sent it."""
+        container, reducer = self.tensor_part_container, self.tensor_part_reducer
+        short = [peer.to_base58()[-8:] for peer in self.ordered_peer_ids]
+        held = ", ".join(f"{name} {container._outputs_registered_by_peer[i]}/{container.num_parts_by_peer[i]}"
+                         for i, name in enumerate(short))
+        senders = [peer.to_base58()[-8:] for peer in self.sender_peer_ids]
+        sent = ", ".join(f"{name} {reducer.num_parts_received[i]}"
+                         f"{' (failed)' if reducer.sender_failed_after[i] != float('inf') else ''}"
+                         for i, name in enumerate(senders))
+        return (f"averaged parts held, by reducer: {held}; as a reducer, at part {reducer.current_part_index + 1} "
+                f"of {reducer.num_parts}, parts received by sender: {sent}")
+
     async def _encode_averaged(self, part_index: int, averaged_part: torch.Tensor) -> bytes:
         """The bytes of an averaged part, encoded once: every sender, and this peer, gets the same."""
         if part_index not in self._averaged_bytes:
@@ -313,6 +333,17 @@ class ExactAllReduceRunner(AllReduceRunner):
         if peer_id != self.peer_id:
             return await self._communicate_with_remote_reducer(peer_id)
         peer_index = self.ordered_peer_ids.index(peer_id)
+        try:
+            await self._reduce_own_parts(peer_index)
+        except BaseException as e:  # as for a remote reducer: its parts keep this peer's input, and the round
+            if isinstance(e, Exception):  # is partial at once, not when allreduce_timeout cancels it
+                logger.warning("this peer's reduction of its own parts failed: %r", e)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def _reduce_own_parts(self, peer_index: int) -> None:
+        """This peer's input parts that it reduces itself: sent to its own reducer, and its results kept."""
+        peer_id = self.peer_id
         sender_index = self.sender_peer_ids.index(peer_id)
         loop = asyncio.get_event_loop()
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
@@ -545,8 +576,12 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
             async for _ in runner:
                 raise ValueError("auxiliary peers should not receive averaged tensors")
             return
-        async for tensor, averaged in azip(as_aiter(*tensors), runner):
-            tensor.copy_(averaged)
+        try:
+            async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                tensor.copy_(averaged)
+        except BaseException:  # the round's timeout (a cancel) included: say where each party stood
+            logger.warning("all-reduce ended unfinished: %s", runner.progress())
+            raise
         if runner.bad_input is not None:
             raise PartialRoundError(f"a groupmate's input was malformed ({runner.bad_input})")
         failed = runner.tensor_part_container.failed_size
