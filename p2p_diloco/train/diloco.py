@@ -442,8 +442,8 @@ class DiLoCoPeer:
                                        self.progress.set_aside_records)
         if target is None:
             logger.warning("not loading outer step %d (%s): a jump of %d outer steps is taken only on at least as many "
-                           "vouchers as this peer's own state has, and %s; training on from outer step %d, and trying "
-                           "again when its claimants move on", plan.target_step, plan.target_sha256[:12],
+                           "vouchers as this peer's own state has, and more than the other claims above it; %s; "
+                           "training on from outer step %d, and trying again when its claimants move on", plan.target_step, plan.target_sha256[:12],
                            plan.target_step - step, counts, step)
             self.metrics.write(STATE_REFUSED, outer_step=step, target_step=plan.target_step,
                                target_sha256=plan.target_sha256, claimed_by=sorted(plan.claims or {}),

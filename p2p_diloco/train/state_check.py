@@ -194,14 +194,17 @@ def choose_target(records: dict[str, PeerProgress], peer_id: str, outer_step: in
     own = len(own_vouchers(records, peer_id, outer_step, sha256))
     known = {state: bool(vouchers(records, *state) & groupmates) for state in votes}
 
-    def trusted(state: tuple[int, str]) -> bool:
+    def dissent(state: tuple[int, str]) -> int:
         # loading and set-aside peers count against every claim but the one they make themselves
-        dissent = sum((r.outer_step, r.sha256) != state for r in ahead)
-        outvoted = votes[state] > dissent or (votes[state] == dissent and known[state])
-        return state[0] == outer_step + 1 or (votes[state] >= own and outvoted)
+        return sum((r.outer_step, r.sha256) != state for r in ahead)
+
+    def trusted(state: tuple[int, str]) -> bool:
+        outvotes = votes[state] > dissent(state) or (votes[state] == dissent(state) and known[state])
+        return state[0] == outer_step + 1 or (votes[state] >= own and outvotes)
 
     counts = (f"its state at outer step {outer_step} is vouched for by {own} identit{'y' if own == 1 else 'ies'} "
-              f"(this peer included), outer step {wanted[0]} ({wanted[1][:12]}) by {votes[wanted]}")
+              f"(this peer included), outer step {wanted[0]} ({wanted[1][:12]}) by {votes[wanted]}, and "
+              f"{dissent(wanted)} other record(s) above outer step {outer_step} claim otherwise")
     candidates = [state for state in votes if trusted(state)]
     if not candidates:
         return None, counts
