@@ -88,15 +88,22 @@ def steps_reached(metrics: list[Path]) -> int:
 
 
 def assert_honest_peers_sound(processes, honest: list[Path]) -> None:
-    """One θ_global per outer step, every loss finite, each round's loss after the first below the first's,
-    no honest peer exited."""
+    """One θ_global per outer step, every loss finite, every round's loss after outer step 1 below the
+    highest of outer step 1's, no honest peer exited."""
     assert_consistent(honest)
+    # the rounds toward outer step 1 start from the initial weights, about as good as a uniform guess
+    # (ln vocab_size): every later round starts from θ_global, and one pushed far off starts above them.
+    # A peer's own first round is no such bound: one that loaded the state first starts it trained
+    # (in a CI run such a peer's loss rose from 4.38 to 4.58 two honest steps later, below the 5.18
+    # that the peers' rounds from the initial weights had)
+    initial = [r["loss"] for path in honest for r in outer_steps(path) if r["outer_step"] == 1]
+    assert initial, "no honest peer recorded outer step 1"
     for path in honest:
         losses = [r["loss"] for r in outer_steps(path)]
         assert all(math.isfinite(loss) for loss in losses), f"{path.name}: losses {losses}"
-        # the first round starts from the initial weights, about as good as a uniform guess (ln vocab_size):
-        # every later round starts from θ_global, and one pushed far off starts above it
-        assert all(loss < losses[0] for loss in losses[1:]), f"{path.name}: the loss did not fall: {losses}"
+        later = [r["loss"] for r in outer_steps(path) if r["outer_step"] > 1]
+        assert all(loss < max(initial) for loss in later), f"{path.name}: the loss did not fall: {losses}, " \
+                                                             f"outer step 1's: {initial}"
     peers = [p for p in processes.procs if p.name.startswith("peer")]
     assert all(p.poll() is None for p in peers), [(p.name, p.returncode) for p in peers]
 
