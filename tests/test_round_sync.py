@@ -41,12 +41,6 @@ def test_a_round_not_applied_names_its_reason():
         moved_past = RoundSync(progress[0], None, me, "direct", 10.0, threading.Event())(3, 0, [], 4, sha("mine"))
         assert moved_past.result is None and moved_past.event == "round_skipped"
         assert "the swarm moved past outer step 3" in moved_past.reason
-        # a claim this peer set aside (a jump it would not take yet) still says that the run is past its
-        # step: it skips the round and never averages alone (in a CI run a joiner that had set aside every
-        # claim above it did, and forked the run's outer steps 1-3)
-        progress[0].set_aside({nodes[1].dht.peer_id.to_base58(): (4, sha("theirs"))})
-        behind = RoundSync(progress[0], None, me, "direct", 10.0, threading.Event())(3, 0, [], 4, sha("mine"))
-        assert behind.result is None and behind.event == "round_skipped", behind
 
         stopping = threading.Event()
         stopping.set()

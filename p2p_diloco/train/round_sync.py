@@ -89,9 +89,7 @@ class RoundSync:
         records = self.progress.wait_for_groupmates(step, self.round_wait_timeout, self.stop_event)
         if self.stop_event.is_set():
             return SyncOutcome(event=ROUND_STOPPED, reason="this peer is stopping")
-        # set-aside records too: a joiner that would not take the run's jump yet is behind it, not alone in it
-        # (in a CI run, a joiner that had set aside every claim averaged alone and forked the run's steps 1-3)
-        if any(r.outer_step > step for r in [*records.values(), *self.progress.set_aside_records.values()]):
+        if any(r.outer_step > step for r in records.values()):
             return SyncOutcome(event="round_skipped",
                                reason=f"the swarm moved past outer step {step} while this peer trained; catching up")
         plan = plan_averaging(records, step, self.peer_id, self.reachability_mode)
