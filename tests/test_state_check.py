@@ -158,14 +158,19 @@ def test_a_peer_alone_in_its_step_trusts_the_best_vouched_state_above_it():
     # nor does this peer's own record count, left loading by a download that failed
     records["me"] = rec("me", 7, "00", LOADING)
     assert choose_target(records, "me", 0, "00", (7, "aa"))[0] == (7, "aa")
-    # nor does a record whose claim this peer set aside (a jump it would not take on one voucher), though
-    # it counts against every claim: set aside, one honest peer that had just stepped left the other
-    # tied with the liar one step ahead of both (a CI run's joiner took the poison so)
+    # a record whose claim this peer set aside (a jump it would not take on one voucher) counts against
+    # every other claim: left out, one honest peer that had just stepped left the other tied with the
+    # liar one step ahead of both (a CI run's joiner took the poison so) ...
     records = {"me": rec("me", 0, "00"), "a": rec("a", 15, "aa"), "evil": rec("evil", 16, "ff")}
     set_aside = {"b": rec("b", 15, "aa")}
-    assert choose_target(records, "me", 0, "00", (16, "ff"), set_aside=set_aside)[0] is None
+    # ... and it still vouches for a state that a live record claims too (in a later CI run a joiner set
+    # aside every honest claim so, one by one, and averaged alone)
+    assert choose_target(records, "me", 0, "00", (16, "ff"), set_aside=set_aside)[0] == (15, "aa")
     records["b"] = rec("b", 15, "aa")  # its record back: a set-aside claim does not count against itself
     assert choose_target(records, "me", 0, "00", (16, "ff"), set_aside=set_aside)[0] == (15, "aa")
+    # but not for a claim that only set-aside records make
+    assert choose_target({"me": rec("me", 0, "00"), "evil": rec("evil", 16, "ff")}, "me", 0, "00", (16, "ff"),
+                         set_aside={"b": rec("b", 15, "aa")})[0] is None
 
 
 def test_a_tie_among_the_claims_above_decides_nothing():

@@ -47,8 +47,10 @@ at T, and dissent(S) the other records above t: those that claim another state, 
 that load, or whose claim this peer set aside (it would not take that jump on so few vouchers, or
 nobody served it), unless they claim S themselves. A tie with the dissent is trusted only when a
 former groupmate of this peer vouches for S; else the peer waits and reads the records again. A peer
-that loads vouches for no state yet, and neither does a set-aside record, but both count against
-other claims: left out, they would leave a liar's claim one step ahead of the swarm tied with the
+that loads vouches for no state yet, and a set-aside record only for a state that a live record
+claims too (else a joiner that set aside an honest claim in a commit window leaves its groupmate's
+twin claim tied with a liar's, and sets that aside too; a CI run's joiner, with every claim set
+aside, saw nobody and averaged alone), but both count against other claims: left out, they would leave a liar's claim one step ahead of the swarm tied with the
 honest peers still in step. And a tie alone decides nothing: a joiner's DHT read can miss the record
 of one of 2 honest peers, and then the liar's claim one step ahead of them ties with the other's
 (three CI runs' joiners took the poisoned state that one identity claimed one step ahead of 2 honest
@@ -189,8 +191,13 @@ def choose_target(records: dict[str, PeerProgress], peer_id: str, outer_step: in
     against every claim, as loading peers do. Returns it and a one-line account of the counts."""
     ahead = [r for peer, r in records.items() if peer != peer_id and r.outer_step > outer_step]
     votes = Counter((r.outer_step, r.sha256) for r in ahead if r.phase != LOADING)
-    ahead += [r for peer, r in (set_aside or {}).items()
-              if peer != peer_id and peer not in records and r.outer_step > outer_step]
+    aside = [r for peer, r in (set_aside or {}).items()
+             if peer != peer_id and peer not in records and r.outer_step > outer_step]
+    # a set-aside record still vouches for a state that a live record claims too: a groupmate's claim,
+    # set aside in a commit window, would otherwise leave its twin tied with a liar's (in a CI run a
+    # joiner set aside every honest claim so, one by one, and averaged alone)
+    votes.update((r.outer_step, r.sha256) for r in aside if r.phase != LOADING and (r.outer_step, r.sha256) in votes)
+    ahead += aside
     own = len(own_vouchers(records, peer_id, outer_step, sha256))
     known = {state: bool(vouchers(records, *state) & groupmates) for state in votes}
 
