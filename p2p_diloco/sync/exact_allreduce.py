@@ -191,8 +191,8 @@ class SenderOrderReducer(TensorPartReducer):
         let the cancel of one sender's handler (its stream closed: a groupmate that died or gave up)
         cancel the future itself, and with it every other sender's result, this peer's own included:
         its own parts then never completed, and the round hung until ``allreduce_timeout`` (a survivor
-        of a groupmate SIGKILLed mid-round, in 1 run in 4 of ``benchmarks/scale.py --peers 3
-        --kill-mid-round 3`` on a loaded machine)."""
+        of a groupmate SIGKILLed mid-round, in 1 run of 3 of ``benchmarks/scale.py --peers 3
+        --kill-mid-round 3`` with two busy loops beside it, 1 of 16 without)."""
         assert 0 <= sender_index < self.num_senders, "invalid sender index"
         assert 0 <= part_index < self.num_parts, "invalid part index"
         self.num_parts_received[sender_index] += 1
