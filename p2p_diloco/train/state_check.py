@@ -187,8 +187,8 @@ def choose_target(records: dict[str, PeerProgress], peer_id: str, outer_step: in
     """The state above `outer_step` this peer may load: `wanted` (the plan's target) if trusted, else the
     best-vouched trusted one (see the module docstring); None if none is. Among trusted states, one that
     a former groupmate of this peer vouches for (`groupmates`: identities it averaged with) comes first.
-    `set_aside` are the live records whose claims this peer set aside: they vouch for nothing, but count
-    against every claim, as loading peers do. Returns it and a one-line account of the counts."""
+    `set_aside` are the live records whose claims this peer set aside: they vouch only for a state that a
+    live record claims too, and count against every other claim, as loading peers do. Returns it and a one-line account of the counts."""
     ahead = [r for peer, r in records.items() if peer != peer_id and r.outer_step > outer_step]
     votes = Counter((r.outer_step, r.sha256) for r in ahead if r.phase != LOADING)
     aside = [r for peer, r in (set_aside or {}).items()
