@@ -230,6 +230,9 @@ class SwarmConfig:
     # attempts at a step's round: after a void one (a member died mid-round) the survivors average again
     # without it, so a failure costs the failed peer, not the step (p2p_diloco.train.round_sync)
     round_attempts: int = int_at_least(2, 1)
+    # past this many members a round's parts go through relays, so that each peer dials about 2·√N others,
+    # not N − 1; the result is the same bytes (p2p_diloco.sync.relay). 0: always a flat butterfly
+    relay_group_size: int = int_at_least(32, 0)
     state_download_timeout: float = positive(120.0)
     progress_ttl: float = positive(60.0)
     start_wait_timeout: float = non_negative(120.0)

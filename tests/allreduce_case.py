@@ -5,7 +5,9 @@
 reads ``CASE_DIR/inputs.pt``: ``{"rounds": [{"inputs": one list of tensors per peer, "starts": the
 θ_global sha256 each peer names, "leaders": optional, the round's membership plan as peer indices in
 order, ``"dead"`` for a peer ID that no node holds, "members": optional, the peer indices the plan names
-(all of them if absent), "delays": optional, the seconds each peer waits before it averages}, ...],
+(all of them if absent), "delays": optional, the seconds each peer waits before it averages,
+"relay_group": optional, every peer's ``swarm.relay_group_size`` (0 if absent: a flat round),
+"outer_step": optional, the step the peers average toward the next of (the round's index if absent)}, ...],
 "samples": one int per peer,
 "error_feedback": bool}``. It
 starts one DHT node and one :class:`OuterSync` in `CODEC` per peer on 127.0.0.1 and averages once per
@@ -18,7 +20,7 @@ peer's final residual; the bytes each averager sent and received; each peer's ID
 travelled in its agreed rounds (:mod:`p2p_diloco.sync.audit`) and the peers it bans at the end. It
 prints the same, less the tensors, as one JSON line. With ``"hostile_reducer": ATTACK`` in the case,
 peer 0 is a hostile reducer: its averager process forks under tests/hostile_peer.py's patch for
-ATTACK (``garbage-reducer`` or ``equivocating-reducer``), its groupmates' without it.
+ATTACK (``garbage-reducer``, ``equivocating-reducer`` or ``tampering-relay``), its groupmates' without it.
 
 The test asserts on the result; this process only averages. Each case runs here rather than in the
 pytest process because every case forks a DHT and an averager process per peer, and after several
@@ -61,7 +63,7 @@ START = "5" * 64  # the sha256 of the global state every peer starts from
 def hostile_reducer(attack: Optional[str]):
     """tests/hostile_peer.py's patch for reducer `attack` (none if None) while the averager process that
     is created under it forks; the project's methods are restored after."""
-    patched = ("_encode_averaged", "_accumulate_parts_streaming")  # the seams that hostile_peer patches
+    patched = ("_encode_averaged", "_accumulate_parts_streaming", "rpc_relay_part")  # the seams hostile_peer patches
     honest = {name: ExactAllReduceRunner.__dict__[name] for name in patched}
     if attack is not None:
         from tests.hostile_peer import PATCHES
@@ -122,6 +124,9 @@ def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: l
                   samples: list[int], step: int) -> dict:
     """One round toward outer step `step` + 1, each peer in a thread of its own, as the training loop runs it."""
     peers = len(syncs)
+    step = round_.get("outer_step", step)
+    for sync in syncs:
+        sync.cfg = dataclasses.replace(CFG, relay_group_size=round_.get("relay_group", 0))
     results: list = [None] * peers
     errors: list = [None] * peers
     to_send: list = [None] * peers

@@ -36,7 +36,9 @@ averager's process (the patch is made before that process forks):
 * ``garbage-reducer``: 100 × the averaged part plus noise of 100 × its RMS, the same bytes to every
   sender and to itself (:meth:`ExactAllReduceRunner._encode_averaged`);
 * ``equivocating-reducer``: the averaged part times (i + 2) to the sender of index i, a different
-  value to each sender (:meth:`ExactAllReduceRunner._accumulate_parts_streaming`; its own copy is honest).
+  value to each sender (:meth:`ExactAllReduceRunner._accumulate_parts_streaming`; its own copy is honest);
+* ``tampering-relay``: as a relay of a round in groups (:mod:`p2p_diloco.sync.relay`), the averaged
+  parts it forwards back to a sender, times 3 (:meth:`ExactAllReduceRunner.rpc_relay_part`).
 
 It prints ``attacked outer step N (ATTACK)`` for each round toward outer step N in which a sender
 attack altered what it sent, and ``attacked a round as reducer (ATTACK)`` for each all-reduce in
@@ -236,9 +238,37 @@ def patch_equivocating_reducer(spec: str) -> None:
     ExactAllReduceRunner._accumulate_parts_streaming = _accumulate_parts_streaming
 
 
+def patch_tampering_relay(spec: str) -> None:
+    """As a relay (p2p_diloco.sync.relay): the averaged parts it forwards back to a sender, times 3."""
+    from hivemind.proto import averaging_pb2, runtime_pb2
+    from hivemind.utils.asyncio import achain, anext, as_aiter
+
+    from p2p_diloco.sync.exact_allreduce import ExactAllReduceRunner, relayed_sender
+
+    honest_relay = ExactAllReduceRunner.rpc_relay_part
+
+    async def rpc_relay_part(self, stream, context):
+        first = await anext(stream)
+        reducer = relayed_sender(first, None)
+        parts = self.tensor_part_container._input_parts_by_peer[self.ordered_peer_ids.index(reducer)]
+        part_index = 0
+        async for message in honest_relay(self, achain(as_aiter(first), stream), context):
+            if message.code == averaging_pb2.AVERAGED_PART:
+                averaged = self.codec.decode(message.tensor_part.buffer, parts[part_index][0].numel())
+                message = averaging_pb2.AveragingData(
+                    code=averaging_pb2.AVERAGED_PART,
+                    tensor_part=runtime_pb2.Tensor(buffer=self.codec.encode(3 * averaged), dtype="float32"))
+                part_index += 1
+                say_once_per_round(self, spec)
+            yield message
+
+    ExactAllReduceRunner.rpc_relay_part = rpc_relay_part
+
+
 PATCHES: dict[str, Callable[[str], None]] = {
     "garbage-reducer": patch_garbage_reducer,
     "equivocating-reducer": patch_equivocating_reducer,
+    "tampering-relay": patch_tampering_relay,
 }
 
 

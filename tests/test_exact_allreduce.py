@@ -294,3 +294,30 @@ def cut_parts(tensors: list[torch.Tensor], codec) -> list[torch.Tensor]:
     parts = [part for part, _ in container._input_parts_by_peer[0]]
     container.finalize()
     return parts
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(2 * CASE_TIMEOUT_S + 30)
+def test_a_round_through_relays_gives_every_peer_the_bytes_of_a_flat_round(tmp_path):
+    """Groups for size (p2p_diloco.sync.relay): 5 peers average the same pseudo-gradients with the same
+    weights twice from the same step, once flat and once in groups of 2 (3 groups; some parts cross two
+    links), and every peer ends both rounds with the same bytes."""
+    peers = 5
+    generator = torch.Generator().manual_seed(3)
+    shapes = [torch.Size([1000])] * 15  # one part each, three for every reducer (hivemind cuts by tensor)
+    inputs = [[torch.randn(s, generator=generator) * 1e-2 for s in shapes] for _ in range(peers)]
+    round_ = {"inputs": inputs, "starts": [START] * peers, "leaders": [0, 1, 2], "outer_step": 0}
+    case = run_case("fp4-e3m0", {"rounds": [{**round_, "relay_group": 0}, {**round_, "relay_group": 2}],
+                                 "samples": [16, 48, 160, 32, 64]}, tmp_path, timeout_s=2 * CASE_TIMEOUT_S)
+    flat, relayed = case["rounds"]
+    for result in (flat, relayed):
+        assert result["errors"] == [None] * peers, result["errors"]
+        assert result["group_size"] == [peers] * peers
+        assert len(set(result["mean_sha256"])) == 1
+    assert relayed["mean_sha256"] == flat["mean_sha256"]
+    for got, want in zip(relayed["means"][0], flat["means"][0]):
+        assert torch.equal(got, want)
+    # the second round's parts did go through relays, the first's did not: in 3 groups of at most 2,
+    # each peer reaches directly only the others of its group and column
+    assert not any(digests["relayed"] for digests in flat["digests"])
+    assert all(digests["relayed"] for digests in relayed["digests"]), relayed["digests"]

@@ -105,7 +105,9 @@ VICTIM_FAULTS = f"allreduce_delay=60,allreduce_send_delay=60,allreduce_delay_rou
 @pytest.mark.swarm
 @pytest.mark.timeout(600)
 def test_eight_peers_average_as_one_and_a_member_killed_mid_round_costs_only_itself(processes, tmp_path):
-    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS)
+    """8 peers, every round in groups of 3 (p2p_diloco.sync.relay: parts cross two links where a sender and
+    a reducer share neither group nor column), so the victim dies as a sender, a reducer and a relay."""
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm={**FAST_TIMEOUTS, "relay_group_size": 3})
     maddr = start_bootstrap(processes)
     metrics = [start_peer(processes, f"peer{i}", config, maddr, "--wait-for-peers", str(PEERS),
                           faults=VICTIM_FAULTS if i == KILLED else "")

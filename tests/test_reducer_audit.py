@@ -64,6 +64,15 @@ def test_a_reducer_whose_statement_differs_from_what_this_peer_received_is_the_c
     assert final and void.culprit == reducer
 
 
+def test_a_reducer_whose_parts_came_through_a_relay_is_nobody_s_culprit():
+    """The relay may have changed the parts (p2p_diloco.sync.relay): void, but nobody is convicted."""
+    reducer = PEERS[1]
+    received = {PEERS[0]: SHA["mean"], reducer: SHA["sent"]}
+    reports = {reducer: report(outputs={reducer: SHA["lie"]})}
+    void, final = judge(reports, {reducer}, SHA["mean"], received, relayed=(reducer,))
+    assert final and void.culprit is None and "or its relay changed them" in void.reason
+
+
 def test_a_different_mean_waits_for_every_report_so_that_one_may_name_its_cause():
     reducer, other = PEERS[1], PEERS[2]
     received = {reducer: SHA["sent"]}
@@ -209,3 +218,21 @@ def test_a_reducer_that_sends_different_results_to_different_members_is_banned_b
         assert f"reducer {hostile[-8:]}" in errors[honest] and "different values to different peers" in errors[honest]
         assert result["banned"][honest] == [hostile]
     assert result["banned"][0] == []
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_a_relay_that_changes_what_it_forwards_voids_the_round_and_frames_nobody(tmp_path):
+    """4 peers in groups of 2 (p2p_diloco.sync.relay): each relays one sender's parts to one reducer, and
+    peer 0 returns that sender averaged parts times 3. The sender's bytes then differ from the reducer's
+    statement: every member voids the round, and nobody is banned (the reducer did nothing wrong)."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [torch.Size([1000])] * 8  # one part each, two for every reducer
+    inputs = [[torch.randn(s, generator=generator) * 1e-2 for s in shapes] for _ in range(4)]
+    round_ = {"inputs": inputs, "starts": [START] * 4, "leaders": [1, 2, 3], "relay_group": 2}
+    result = run_case(CODEC, {"rounds": [round_], "samples": [16, 48, 160, 32], "hostile_reducer": "tampering-relay"},
+                      tmp_path)
+    errors = result["rounds"][0]["errors"]
+    assert all(e is not None and "round void" in e for e in errors), errors
+    assert any("or its relay changed them" in e for e in errors), errors
+    assert result["banned"] == [[]] * 4

@@ -114,6 +114,7 @@ class RoundDigests:
     outputs: dict[str, str]  # reducer -> sha256 of the averaged parts this peer got from it
     auditors: dict[str, str]  # reducer -> its auditor
     tokens: dict[str, str]  # member (role "peer") -> its attempt token
+    relayed: tuple[str, ...] = ()  # the reducers whose averaged parts came through a relay (sync/relay.py)
 
 
 @dataclass
@@ -135,6 +136,7 @@ class RoundLedger:
     _received: dict[PeerID, Any] = field(default_factory=dict)  # reducer -> sha256 of its averaged parts, so far
     kept_outputs: dict[PeerID, list[bytes]] = field(default_factory=dict)  # of the reducers this peer audits
     inputs: dict[PeerID, list[bytes]] = field(default_factory=dict)  # as a reducer: each sender's parts, in order
+    relayed: set[PeerID] = field(default_factory=set)  # the reducers this peer reached through a relay
 
     @classmethod
     def for_round(cls, peer_id: PeerID, token: str, tokens: dict[PeerID, str], ordered_peer_ids: Sequence[PeerID],
@@ -169,6 +171,7 @@ class RoundLedger:
             outputs={r.to_base58(): h.hexdigest() for r, h in self._received.items()},
             auditors={r.to_base58(): a.to_base58() for r, a in self.auditors.items()},
             tokens={p.to_base58(): t for p, t in self.tokens.items()},
+            relayed=tuple(sorted(r.to_base58() for r in self.relayed)),
         )
 
 

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
@@ -50,14 +50,15 @@ class Void:
 
 
 def judge(reports: dict[str, RoundReport], expected: set[str], mean_sha256: str,
-          received: dict[str, str]) -> tuple[Optional[Void], bool]:
+          received: dict[str, str], relayed: Collection[str] = ()) -> tuple[Optional[Void], bool]:
     """(why the round is void, or None; whether that is final) from the groupmates' reports found so far.
 
     `expected`: the groupmates whose reports count; `received`: for each reducer, the sha256 of the
     averaged parts this peer got from it (see :mod:`p2p_diloco.sync.audit`). An incomplete round or a
     reducer whose own report states other averaged bytes than this peer got is final at once; a
     different mean is final once every report is in, so that the reports still to come may name the
-    reducer that caused it.
+    reducer that caused it. A reducer in `relayed` (its parts reached this peer through a relay,
+    :mod:`p2p_diloco.sync.relay`) is not the culprit of such a void: the relay may have changed them.
     """
     different = None
     for peer_id in sorted(reports):
@@ -68,7 +69,8 @@ def judge(reports: dict[str, RoundReport], expected: set[str], mean_sha256: str,
             stated = report.outputs.get(peer_id)
             return Void(f"reducer {peer_id[-8:]} sent this peer averaged parts of sha256 {received[peer_id][:12]} "
                         f"but states it sent {stated[:12] if stated else 'nothing'}: it sent different values to "
-                        f"different peers", culprit=peer_id), True
+                        f"different peers{' (or its relay changed them)' if peer_id in relayed else ''}",
+                        culprit=None if peer_id in relayed else peer_id), True
         if report.mean_sha256 != mean_sha256:
             different = different or Void(f"groupmate {peer_id[-8:]} holds a different mean")
     if different is not None:
@@ -134,17 +136,18 @@ class RoundReports:
 
     def agree(
         self, outer_step: int, tokens: dict[str, str], mean_sha256: str, timeout: float, stop: threading.Event,
-        received: Optional[dict[str, str]] = None,
+        received: Optional[dict[str, str]] = None, relayed: Collection[str] = (),
     ) -> tuple[Optional[Void], dict[str, RoundReport]]:
         """(None if every groupmate reported the same complete mean, else why the round is void; the
         groupmates' reports on the round, by peer ID).
 
         `tokens` maps each groupmate's peer ID (as the all-reduce group knows it) to the attempt token
         it gathered. `received`: for each reducer, the sha256 of the averaged parts this peer got from
-        it; a reducer whose report states others is the void's culprit (see :func:`judge`).
+        it; a reducer whose report states others is the void's culprit unless it is in `relayed` (see
+        :func:`judge`).
         """
-        return self._wait(outer_step, tokens, lambda found: judge(found, set(tokens), mean_sha256, received or {}),
-                          timeout, stop)
+        return self._wait(outer_step, tokens,
+                          lambda found: judge(found, set(tokens), mean_sha256, received or {}, relayed), timeout, stop)
 
     def audited(self, outer_step: int, tokens: dict[str, str], auditors: dict[str, str], timeout: float,
                 stop: threading.Event) -> Optional[Void]:

@@ -17,7 +17,10 @@ timeouts is touched (who forms a group with whom is :mod:`p2p_diloco.sync.member
   In hivemind 1.1.12 the reducer's handler returns right after its last reply and the stream is
   closed under it; the sender may then lose the tail of that reply (measured: 393,208 of 524,312
   bytes of a last part arrived) and hivemind reads the cut as a normal end of stream. About one
-  round in 14 of a 6-peer swarm on loopback was partial that way, with no fault at all.
+  round in 14 of a 6-peer swarm on loopback was partial that way, with no fault at all;
+* :meth:`ExactAllReduceRunner.rpc_relay_part`, and the sender named in a forwarded stream's first
+  message: past ``swarm.relay_group_size`` members a part may reach its reducer through a relay
+  (:mod:`p2p_diloco.sync.relay`), with the same result.
 
 **Codecs.** Parts travel in the run's codec (:mod:`p2p_diloco.sync.codecs`, ``outer.codec``): each
 sender encodes its parts, the reducer decodes them and sums in fp32, encodes each averaged part
@@ -66,6 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import functools
 import logging
 import multiprocessing as mp
@@ -82,7 +86,7 @@ from hivemind.averaging.partition import (
 from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import aenumerate, anext, as_aiter, attach_event_on_finished, azip
+from hivemind.utils.asyncio import achain, aenumerate, anext, as_aiter, attach_event_on_finished, azip
 
 from p2p_diloco import faults
 from p2p_diloco.event_loop import keep_tasks_in
@@ -90,6 +94,7 @@ from p2p_diloco.sync.audit import ReducerAudit, RoundLedger
 from p2p_diloco.sync.codecs import Codec, get_codec
 from p2p_diloco.sync.group_screen import GroupMetadata, GroupScreen, MalformedGroupData
 from p2p_diloco.sync.membership import PlannedMatchmaking
+from p2p_diloco.sync.relay import RelayLayout, relay_group_size
 from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule, aggregate
 
 logger = logging.getLogger(__name__)
@@ -243,6 +248,27 @@ def _pass_on(future: asyncio.Future, work: asyncio.Future) -> None:
         future.set_result(work.result())
 
 
+async def addressed_to(reducer: PeerID, messages: AsyncIterator[averaging_pb2.AveragingData]
+                       ) -> AsyncIterator[averaging_pb2.AveragingData]:
+    """A sender's stream of parts for `reducer`, as it goes to a relay: the first message names the reducer."""
+    first = True
+    async for message in messages:
+        if first:
+            message.peer_id = reducer.to_bytes()
+            first = False
+        yield message
+
+
+def relayed_sender(message: averaging_pb2.AveragingData, default: Optional[PeerID]) -> Optional[PeerID]:
+    """The peer a stream's first message names (its ``peer_id``): `default` if it names none, None if malformed."""
+    if not message.peer_id:
+        return default
+    try:
+        return PeerID(message.peer_id)
+    except Exception:
+        return None
+
+
 def decode_part(codec: Codec, data: bytes, shape: torch.Size, what: str) -> tuple[Optional[torch.Tensor], Optional[str]]:
     """(the part, None), or (None, why it is malformed): a stranger's bytes in the run's codec."""
     try:  # decode checks the length for `shape` and that every value is finite
@@ -264,7 +290,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def __init__(self, *, traffic: "TrafficCounters", sender_weights: dict[PeerID, float], screen: GroupScreen,
                  codec: Codec, rule: AggregationRule = EXACT_MEAN, sent: Optional[Sequence[torch.Tensor]] = None,
-                 fault_pause_s: float = 0.0, fault_send_pause_s: float = 0.0, **kwargs):
+                 relay_group: int = 0, fault_pause_s: float = 0.0, fault_send_pause_s: float = 0.0, **kwargs):
         kwargs.pop("compression", None)  # hivemind's averager passes its own; the run's codec replaces it
         part_size_bytes = kwargs.pop("part_size_bytes", DEFAULT_PART_SIZE_BYTES)
         super().__init__(**part_container_settings(codec, part_size_bytes), **kwargs)
@@ -283,6 +309,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         # a failed reducer's parts then keep the local input (not a zero delta): see PartialRoundError
         self.tensor_part_container.return_deltas = False
         self.traffic = traffic
+        # who forwards whose parts to whom (sync/relay.py); a member others can dial is one that reduces
+        self.layout = RelayLayout(tuple(self.ordered_peer_ids), tuple(f > 0 for f in self.peer_fractions), relay_group)
+        self.relayed_senders: set[PeerID] = set()  # as a reducer: the senders whose parts came through a relay
 
     def progress(self) -> str:
         """Where the round stands, in one line for a log: the averaged parts this peer holds from each
@@ -376,10 +405,16 @@ class ExactAllReduceRunner(AllReduceRunner):
         num_parts = self.tensor_part_container.num_parts_by_peer[peer_index]
         loop = asyncio.get_event_loop()
         stream = None
+        relay = self.layout.relay(self.peer_id, peer_id)
+        if relay is not None and self.ledger is not None:
+            self.ledger.relayed.add(peer_id)
         try:
             done_sending = asyncio.Event()
             inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
+            if relay is None:
+                stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
+            else:  # the relay learns the reducer from the first message (sync/relay.py)
+                stream = await self._get_peer_stub(relay).rpc_relay_part(addressed_to(peer_id, inputs_aiter))
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
             part_index = 0
@@ -395,7 +430,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 averaged_part, problem = await loop.run_in_executor(
                     None, decode_part, self.codec, msg.tensor_part.buffer, expected, f"averaged part {part_index}")
                 if problem is not None:
-                    self.screen.ban(peer_id, "a malformed averaged part", problem)
+                    if relay is None:  # through a relay, the relay may have sent it as well
+                        self.screen.ban(peer_id, "a malformed averaged part", problem)
                     raise AllreduceException(f"{peer_id} sent a malformed averaged part: {problem}")
                 if self.ledger is not None:
                     self.ledger.received_output(peer_id, msg.tensor_part.buffer)
@@ -426,9 +462,53 @@ class ExactAllReduceRunner(AllReduceRunner):
         (:meth:`_communicate_with_remote_reducer`), and hivemind's p2p layer then cancels this
         handler; the wait below is only a bound for a sender that never closes.
         """
-        async for message in super().rpc_aggregate_part(stream, context):
+        try:
+            first = await asyncio.wait_for(anext(stream), self.sender_timeout)
+        except StopAsyncIteration:
+            return
+        sender = relayed_sender(first, context.remote_id)
+        if sender != context.remote_id:  # forwarded by a relay: only the relay the group's layout names
+            if sender is None or sender not in self.sender_peer_ids or self.layout.relay(sender, self.peer_id) != context.remote_id:
+                yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+            self.relayed_senders.add(sender)
+            context = dataclasses.replace(context, remote_id=sender)  # hivemind's reducer knows senders by it
+        async for message in super().rpc_aggregate_part(achain(as_aiter(first), stream), context):
             yield message
         await asyncio.sleep(self.sender_timeout if self.sender_timeout is not None else CLOSE_WAIT_S)
+
+    async def rpc_relay_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """As a relay (:mod:`p2p_diloco.sync.relay`): forward a groupmate's parts to the reducer its first
+        message names, untouched, and the reducer's averaged parts back, if the group's layout makes this
+        peer that pair's relay. Each wait is bounded like the sender's and the reducer's own; the sender
+        closes the stream once it holds every averaged part, which closes the stream to the reducer."""
+        first = await asyncio.wait_for(anext(stream), self.sender_timeout)
+        sender = context.remote_id
+        reducer = relayed_sender(first, None)
+        members = self.ordered_peer_ids
+        if sender not in members or reducer not in members or self.layout.relay(sender, reducer) != self.peer_id:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        first.peer_id = sender.to_bytes()  # the reducer checks that this peer relays that sender's parts
+
+        async def inputs() -> AsyncIterator[averaging_pb2.AveragingData]:
+            async for message in achain(as_aiter(first), stream):
+                self.traffic.add(sent=len(message.tensor_part.buffer), received=len(message.tensor_part.buffer))
+                yield message
+
+        upstream = await self._get_peer_stub(reducer).rpc_aggregate_part(inputs())
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(anext(upstream), self.reducer_timeout)
+                except StopAsyncIteration:
+                    break
+                self.traffic.add(sent=len(message.tensor_part.buffer), received=len(message.tensor_part.buffer))
+                yield message
+        finally:
+            await upstream.aclose()
 
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
@@ -447,7 +527,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                         None, decode_part, self.codec, msg.tensor_part.buffer,
                         self.tensor_part_reducer.part_shapes[parts_reduced], f"part {parts_reduced}")
                 if problem is not None:
-                    self.screen.ban(sender, "a malformed all-reduce part", problem)
+                    if sender not in self.relayed_senders:  # through a relay, the relay may have sent it as well
+                        self.screen.ban(sender, "a malformed all-reduce part", problem)
                     self.bad_input = f"{sender} sent a malformed part: {problem}"
                     break
                 if self.ledger is not None:
@@ -512,6 +593,22 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
         self._matchmaking.planned_members = (token, frozenset(members))
         future.set_result(True)
 
+    async def rpc_relay_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A groupmate's parts to forward to another (:meth:`ExactAllReduceRunner.rpc_relay_part`), found by
+        group as hivemind's ``rpc_aggregate_part`` finds a reducer's."""
+        request = await asyncio.wait_for(anext(stream), self._allreduce_timeout or CLOSE_WAIT_S)
+        if request.group_id not in self._running_groups:  # the leader's reply may reach this peer after the sender
+            await asyncio.wait_for(self._pending_groups_registered.wait(), self._allreduce_timeout or CLOSE_WAIT_S)
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        runner = await future
+        async for message in runner.rpc_relay_part(achain(as_aiter(request), stream), context):
+            yield message
+
     def _run_internal(self):
         # This runs in the averager's own process, where hivemind builds its Matchmaking by name: the name
         # is bound to our subclass there, so groups follow the round's membership plan (sync/membership.py)
@@ -563,14 +660,17 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
             codec=self.codec,
             rule=self.aggregation,
             sent=None if self.sent is None else [self.sent[i] for i in self.fragments[fragment]],
+            relay_group=relay_group_size(meta.relay_group for meta in metadata.values() if meta.role == "peer"),
             fault_pause_s=faults.allreduce_pause_s(self.rounds_started),
             fault_send_pause_s=faults.allreduce_pause_s(self.rounds_started, role="sender"),
             **kwargs,
         )
         runner.ledger = round_ledger(runner, metadata)
         self.keep_ledger(runner.ledger)
-        logger.info("all-reduce started: group of %d (%s)", len(group_info.peer_ids),
-                    ", ".join(peer.to_base58()[-8:] for peer in group_info.peer_ids))
+        layout = runner.layout
+        logger.info("all-reduce started: group of %d (%s)%s", len(group_info.peer_ids),
+                    ", ".join(peer.to_base58()[-8:] for peer in group_info.peer_ids),
+                    "" if layout.flat else f", in {layout.groups} groups of at most {layout.group_size} through relays")
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:

@@ -53,6 +53,8 @@ class GroupMetadata(StrictModel):
     # many members it expects; none for an assistant, or when nobody at the step can be dialled
     leaders: pydantic.conlist(PeerIdText, max_items=MAX_PLANNED_LEADERS) = []
     expected: pydantic.conint(strict=True, ge=0, le=MAX_COUNT) = 0
+    # the largest group the member's all-reduce lays out before parts go through relays (sync/relay.py); 0: flat
+    relay_group: pydantic.conint(strict=True, ge=0, le=MAX_COUNT) = 0
 
 
 class HivemindEnvelope(StrictModel):

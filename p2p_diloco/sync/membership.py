@@ -25,6 +25,11 @@ so does the next leader itself: a leader that died costs one window, not the ste
 members in and never starts costs them three. A peer that misses the group keeps its inner steps for
 the next step, as before.
 
+The leader puts the group in the plan's order too (:func:`group_order`; hivemind's leader shuffles it at
+random): the order of the senders in each reducer's aggregate and of the reducers' shares. So the
+same members averaging the same pseudo-gradients get the same bytes whoever leads, and whatever route
+the parts take (:mod:`p2p_diloco.sync.relay`).
+
 Peers that hold the same records compute the same plan, so they meet in one group. Two views that
 differ name the same first leader unless they differ in that leader itself; then the step may split
 as before, which the commit protocol (:mod:`p2p_diloco.sync.commit`) and the state check keep safe.
@@ -45,6 +50,7 @@ from typing import Optional
 
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
@@ -85,6 +91,13 @@ def leader_rank(outer_step: int, global_sha256: str, peer_id: str, attempt: int 
     every one of them: a leader that took in a peer that a member had banned formed a group that member
     refused, every round, and the swarm never left the step (the hostile-reducer test, 2 runs in 5)."""
     return hashlib.sha256(f"{outer_step}:{global_sha256}:{attempt}:{peer_id}".encode()).digest()
+
+
+def group_order(outer_step: int, global_sha256: str, peer_ids) -> list:
+    """The members of a planned round (PeerIDs) in the group's order: by sha256 of the step, θ_global
+    and the peer ID (:func:`leader_rank` of an attempt 0, which no leader order uses), as unpredictable
+    before step t − 1 is committed as hivemind's random order, and the same whoever leads."""
+    return sorted(peer_ids, key=lambda peer: leader_rank(outer_step, global_sha256, peer.to_base58(), attempt=0))
 
 
 def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sha256: str, peer_id: str,
@@ -209,6 +222,21 @@ class PlannedMatchmaking(ScreenedMatchmaking):
             self.leading = False
             leaders.declared_group_key, leaders.declared_expiration_time = None, float("inf")
             await self.group_key_manager.declare_averager(key, self.peer_id, expiration, looking_for_group=False)
+
+    async def leader_assemble_group(self) -> GroupInfo:
+        """hivemind's, with the members in :func:`group_order` when this round has a plan (hivemind's order
+        is random)."""
+        plan = self._plan()
+        if plan is None:
+            return await super().leader_assemble_group()
+        assert not self.assembled_group.done()
+        members = group_order(plan.outer_step, plan.global_sha256, [*self.current_followers, self.peer_id])
+        gathered = tuple(self.step_control.data_for_gather if peer == self.peer_id else self.current_followers[peer].gather
+                         for peer in members)
+        group_info = GroupInfo(DHTID.generate().to_bytes(), tuple(members), gathered)
+        await self.group_key_manager.update_key_on_group_assembled(group_info)
+        self.assembled_group.set_result(group_info)
+        return group_info
 
     def _planned_followers(self, plan: GroupMetadata) -> int:
         """Followers that this peer's plan names: others may join too, but fill no member's place. None

@@ -223,7 +223,7 @@ class OuterSync:
         self.reports.publish(outer_step, token, **report)
         groupmates = {pid: tok for pid, tok in result.tokens.items() if pid != self.peer_id}
         void, reports = self.reports.agree(outer_step, groupmates, mean_sha256, self.cfg.commit_timeout, stop,
-                                           received=digests.outputs)
+                                           received=digests.outputs, relayed=digests.relayed)
         if void is not None and void.culprit is not None:
             self.averager.ban(void.culprit, "different averaged parts to different peers", void.reason)
         void = void or self._audit(outer_step, token, digests, reports, report, stop)
@@ -269,7 +269,8 @@ class OuterSync:
             self.averager.plan_members(token, membership.members)
         control = self.averager.step(
             gather=dict(samples=samples, outer_step=outer_step, global_sha256=global_sha256, token=token, role="peer",
-                        fragment=fragment, **(membership.as_gathered() if membership else {})),
+                        fragment=fragment, relay_group=self.cfg.relay_group_size,
+                        **(membership.as_gathered() if membership else {})),
             weight=float(samples),
             timeout=timeout,
             allow_retries=False,  # a retry after a broken all-reduce would average half-averaged values
