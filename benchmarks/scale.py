@@ -27,6 +27,8 @@ swarm gone and train on alone. From the peers' metrics files it reports, per N:
   ``round_stopped``, the final stop's, are left out);
 * the share of the swarm's inner work that counted: Σ over steps 1..T of (peers that recorded the
   step) / (N × T);
+* the mean all-reduce bytes each peer sent per outer step after step 1 (``bytes_sent``: parts sent,
+  averaged parts returned and, with ``--relay-group``, parts relayed for others);
 * the mean ``blocked_seconds`` of the ``outer_step`` records after step 1: a peer's wall seconds
   between two outer steps not spent on inner steps (waiting for groupmates, matchmaking, the
   all-reduce and commit beyond what the overlapped inner steps hid, checkpointing). The metrics have
@@ -52,6 +54,7 @@ Run::
     python benchmarks/scale.py                                    # N = 2, 4, 8, 16, 24; 4 outer steps
     python benchmarks/scale.py --peers 2,3 --outer-steps 3 --out /tmp/scale-check
     python benchmarks/scale.py --peers 3 --outer-steps 3 --kill-mid-round 2
+    python benchmarks/scale.py --peers 16 --outer-steps 5 --relay-group 4      # rounds through relays
 
 Every wait is bounded: ``--timeout-s`` (default 900) per N from the start of its processes to the
 target step. Prints a Markdown table for docs/benchmarks.md; writes ``results.json``, ``table.md``,
@@ -65,6 +68,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -387,6 +391,16 @@ def kill_outcome(kill: dict, records_by_slot: dict[int, list[dict]], n: int) -> 
                 seconds_to_step=applied_at, state_loaded_after_kill=downloads, verdict=verdict)
 
 
+def bytes_sent_per_step(records: dict[int, list[dict]], target: int) -> list[int]:
+    """Each peer's all-reduce bytes sent (parts, relayed ones included) between two consecutive outer
+    steps it recorded, for steps 2..target: the metrics hold running totals."""
+    sent = []
+    for rs in records.values():
+        totals = {r["outer_step"]: r["bytes_sent"] for r in step_records(rs) if "bytes_sent" in r}
+        sent += [totals[s] - totals[s - 1] for s in range(2, target + 1) if s in totals and s - 1 in totals]
+    return sent
+
+
 def analyze(run: SwarmRun) -> dict:
     records = run.records_by_slot()
     target = run.target
@@ -399,6 +413,7 @@ def analyze(run: SwarmRun) -> dict:
               if r["event"] == "state_loaded" and t1 is not None and r["time"] > t1]
     later = [r for rs in records.values() for r in step_records(rs) if 2 <= r["outer_step"] <= target]
     blocked = [r["blocked_seconds"] for r in later if "blocked_seconds" in r]
+    sent = bytes_sent_per_step(records, target)
     ready = [r["time"] - r["ready_time"] for r in later if isinstance(r.get("ready_time"), (int, float))]
     return dict(
         peers=run.num_peers,
@@ -416,6 +431,7 @@ def analyze(run: SwarmRun) -> dict:
         events_by_reason=other_events(records, target),
         work_share=sum(s["peers_recorded"] for s in steps) / (run.num_peers * target),
         mean_blocked_s=statistics.mean(blocked) if blocked else None,
+        mean_mb_sent_per_step=statistics.mean(sent) / 1e6 if sent else None,
         mean_ready_to_applied_s=statistics.mean(ready) if ready else None,
         kill=kill_outcome(run.kill, records, run.num_peers) if run.kill and "time" in run.kill else run.kill,
         unexpected_exits=run.unexpected_exits,
@@ -444,7 +460,7 @@ def markdown_table(results: list[dict], kill_step: Optional[int]) -> str:
     header = ["N", "s per outer step (median / max)", "start → step 1", "group sizes per step",
               "hashes per step", "peers missing per step", "state downloads after step 1",
               "rounds not applied, failed attempts (by event)", "share of work counted",
-              "s not training per step (mean)"]
+              "s not training per step (mean)", "MB sent per peer per step (mean)"]
     if any(r["mean_ready_to_applied_s"] is not None for r in results):
         header.append("ready → applied (mean)")
     if kill_step:
@@ -463,6 +479,7 @@ def markdown_table(results: list[dict], kill_step: Optional[int]) -> str:
             _events(r["events_by_reason"]),
             f"{r['work_share']:.0%}",
             fmt(r["mean_blocked_s"]) + (" s" if r["mean_blocked_s"] is not None else ""),
+            fmt(r["mean_mb_sent_per_step"], ".2f"),
         ]
         if "ready → applied (mean)" in header:
             cells.append(f"{fmt(r['mean_ready_to_applied_s'])} s")
@@ -523,6 +540,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--kill-pause-s", type=float, default=8.0,
                         help="with --kill-mid-round: seconds the victim holds back its averaged parts "
                              "(P2P_DILOCO_FAULTS allreduce_delay)")
+    parser.add_argument("--relay-group", type=int, default=None, metavar="G",
+                        help="swarm.relay_group_size of every peer: rounds of more than G members go through "
+                             "relays (0: always flat; default: the config's)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/scale"), help="output directory")
     args = parser.parse_args(argv)
     try:
@@ -533,6 +553,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--peers: every N must be at least 1")
     if args.outer_steps < 2:
         parser.error("--outer-steps must be at least 2 (step 1 includes start-up)")
+    if args.relay_group is not None and args.relay_group < 0:
+        parser.error("--relay-group must be at least 0")
     if args.kill_mid_round is not None:
         if not 1 <= args.kill_mid_round <= args.outer_steps:
             parser.error("--kill-mid-round K needs 1 <= K <= --outer-steps")
@@ -541,9 +563,21 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+def set_relay_group(config: Path, group: int) -> None:
+    """Set ``swarm.relay_group_size`` in the benchmark's copy of the run config (its [swarm] table)."""
+    text = config.read_text()
+    text = re.sub(r"(?m)^relay_group_size\s*=.*\n", "", text)
+    text, count = re.subn(r"(?m)^\[swarm\]\s*$", f"[swarm]\nrelay_group_size = {group}", text)
+    if count != 1:
+        raise SystemExit(f"error: {config} has no single [swarm] table to set relay_group_size in")
+    config.write_text(text)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     started, config = start_benchmark(args)
+    if args.relay_group is not None:
+        set_relay_group(config, args.relay_group)
     runs = []
     try:
         for n in args.peer_counts:

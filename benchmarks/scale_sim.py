@@ -16,10 +16,10 @@ small function whose docstring gives its formula. One trial is one outer step:
 2. **Membership** (:func:`membership_s`): one leader list for all; the followers' join requests
    cost one RTT (--latency-s) and the leader handles them one by one (--join-cost-s each). A leader
    that dies before the group is assembled costs --request-timeout-s, then the next leader is asked.
-3. **All-reduce**: G >= n: flat butterfly (:func:`butterfly_s`); G < n: hierarchical exact relay
-   in k = ceil(n/G) consecutive groups (:func:`relay_s`): raw slices within a group, then the k
-   owners of a slice exchange sub-slices, every final reducer reduces all n inputs of its sub-slice
-   (exact for any robust rule), then the results go back. A transfer stage costs
+3. **All-reduce**: G >= n: flat butterfly (:func:`butterfly_s`); G < n: the exact relay of
+   p2p_diloco.sync.relay in k = ceil(n/G) groups (:func:`relay_s`): every reducer still reduces all
+   n inputs of its share (exact for any robust rule), but a sender dials only its group and its
+   column, and a part for a reducer outside both is forwarded by a relay, results likewise. A transfer stage costs
    bytes / --bandwidth + streams * --stream-overhead-s + --latency-s, stages run one after another;
    a reducer's CPU is --reduce-s-per-mb-per-sender * MB of its part * senders.
 4. **Commit** (:func:`commit_s`): --commit-s + log2(n) * --latency-s (signed reports on the DHT).
@@ -124,16 +124,22 @@ def butterfly_s(p: Params, n: int) -> float:
     return 2 * s * (n - 1) / n / p.bandwidth + (n - 1) * p.stream_overhead_s + p.latency_s + reduce_cpu_s(p, s / n, n)
 
 
+def relayed_share(n: int, g: int) -> float:
+    """The share of (sender, reducer) pairs that share neither group nor column: their parts cross two links."""
+    k, g = groups(n, g)
+    return (1 - 1 / k) * (1 - 1 / g)
+
+
 def relay_s(p: Params, n: int, g: int) -> float:
-    """Hierarchical exact relay, k groups of g: stage 1 S(g-1)/g over g-1 streams; stage 2 S(k-1)/k over k-1
-    streams; CPU(S/(g k), n senders); stage 2 return (S/g)(k-1)/k; stage 3 return S(g-1)/g (streams reused)."""
+    """Exact relay in k groups of g (p2p_diloco.sync.relay), as the flat butterfly but over (g-1)+(k-1)
+    streams, with the relayed share r of the parts forwarded once more each way: inputs
+    S (n-1)/n + S r, one more latency for the second hop, CPU(S/n, n senders), outputs as much again."""
     if g >= n:
         return butterfly_s(p, n)
-    k, g = groups(n, g)
     s = p.model_bytes
-    return (stage_s(p, s * (g - 1) / g, g - 1) + stage_s(p, s * (k - 1) / k, k - 1)
-            + reduce_cpu_s(p, s / (g * k), n)
-            + stage_s(p, s / g * (k - 1) / k, 0) + stage_s(p, s * (g - 1) / g, 0))
+    one_way = s * (n - 1) / n + s * relayed_share(n, g)
+    return (stage_s(p, one_way, streams(n, g)) + p.latency_s + reduce_cpu_s(p, s / n, n)
+            + stage_s(p, one_way, 0) + p.latency_s)
 
 
 def allreduce_s(p: Params, n: int, g: int) -> float:
@@ -148,16 +154,15 @@ def redo_s(p: Params, n: int, g: int) -> float:
 
 
 def bytes_out(p: Params, n: int, g: int) -> float:
-    """Bytes a peer sends: flat 2 S (n-1)/n; relay 2 S (g-1)/g + S (k-1)/k + (S/g)(k-1)/k."""
+    """Bytes a peer sends: flat 2 S (n-1)/n; relay 2 S ((n-1)/n + r), r = :func:`relayed_share`."""
     s = p.model_bytes
     if g >= n:
         return 2 * s * (n - 1) / n
-    k, g = groups(n, g)
-    return 2 * s * (g - 1) / g + s * (k - 1) / k + s / g * (k - 1) / k
+    return 2 * s * ((n - 1) / n + relayed_share(n, g))
 
 
 def streams(n: int, g: int) -> int:
-    """Streams a peer opens: flat n-1; relay (g-1) + (k-1)."""
+    """Peers a peer dials: flat n-1; relay (g-1) + (k-1) (the fallbacks of a short column left out)."""
     if g >= n:
         return n - 1
     k, g = groups(n, g)
