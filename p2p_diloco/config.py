@@ -234,6 +234,16 @@ class SwarmConfig:
     # not N − 1; the result is the same bytes (p2p_diloco.sync.relay). 0: always a flat butterfly
     relay_group_size: int = int_at_least(32, 0)
     state_download_timeout: float = positive(120.0)
+    # a peer that sees the run ahead of it and can get no state (from peers, nor from the checkpoint store)
+    # waits this long for one, not training, then stops: it never starts a second history (train/catch_up.py)
+    state_wait_timeout: float = positive(600.0)
+    # where the run's global state is kept for when no peer is up (sync/state_store.py): a directory or an
+    # fsspec URL (s3://, gs://, hf://); a joiner that finds no peer to download from starts from the newest
+    # state there. '' : none
+    checkpoint_store: str = text("", allowed="a directory path or an fsspec URL ('' for none)")
+    # this peer writes the global state to checkpoint_store every this many outer steps (the host's peers,
+    # which hold the store's credentials); 0: it only reads the store
+    checkpoint_every: int = int_at_least(0, 0)
     progress_ttl: float = positive(60.0)
     start_wait_timeout: float = non_negative(120.0)
     checkpoint_dir: str = text("", allowed="a directory path ('' disables checkpoints)")

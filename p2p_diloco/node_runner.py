@@ -15,6 +15,7 @@ logger = logging.getLogger("p2p_diloco")
 
 EXIT_OK, EXIT_USAGE, EXIT_UNREACHABLE = 0, 2, 3
 EXIT_OTHER_SETTINGS = 4  # the run's peers train with other settings: this peer can never average with them
+EXIT_NO_STATE = 5  # the run is ahead and nothing served its state: training would fork it (train/catch_up.py)
 
 
 def setup_logging(verbose: bool) -> None:
@@ -243,6 +244,8 @@ def run_peer(config_path, options: PeerOptions) -> int:
     from p2p_diloco.swarm.node import start_run_node
     from p2p_diloco.train.data import DataError
     from p2p_diloco.train.checkpoint import check_checkpoint_settings
+    from p2p_diloco.sync.state_store import StoreError
+    from p2p_diloco.train.catch_up import NoStateSource
     from p2p_diloco.train.diloco import DiLoCoPeer, RunSettingsMismatch
     from p2p_diloco.train.display import InnerProgress
     from p2p_diloco.train.memory import MemoryFitError
@@ -277,12 +280,18 @@ def run_peer(config_path, options: PeerOptions) -> int:
         logger.info("run %r, settings fingerprint %s", cfg.run.name, settings_fingerprint(settings)[:16])
         metrics.write("reachability", reachability=node.reachability.mode, detail=node.reachability.detail,
                       reduces=node.reachability.can_reduce, summary=summary)
-        trainer = DiLoCoPeer(cfg, model, peer_data, node, settings, metrics, stop_event=install_stop_handlers(),
-                             display=InnerProgress(), micro_batch_size=micro_batch_size)
         try:
-            trainer.run(options.max_outer_steps, options.wait_for_peers, options.ignore_other_settings)
+            trainer = DiLoCoPeer(cfg, model, peer_data, node, settings, metrics, stop_event=install_stop_handlers(),
+                                 display=InnerProgress(), micro_batch_size=micro_batch_size)
+        except StoreError as e:  # a checkpoint store URL that fsspec cannot open
+            trainer, error = None, (str(e), EXIT_USAGE)
+        try:
+            if trainer is not None:
+                trainer.run(options.max_outer_steps, options.wait_for_peers, options.ignore_other_settings)
         except RunSettingsMismatch as e:
             error = (str(e), EXIT_OTHER_SETTINGS)
+        except NoStateSource as e:
+            error = (str(e), EXIT_NO_STATE)
         except (DataError, MemoryFitError) as e:  # out of memory at one sequence per pass; any other OOM: a traceback
             error = (str(e), EXIT_USAGE)
     finally:

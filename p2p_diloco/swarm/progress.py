@@ -60,6 +60,15 @@ class PeerProgress:
     reachability: str = DIRECT  # DIRECT (others can dial it: it can reduce) or UNREACHABLE
 
 
+@dataclass(frozen=True)
+class RunHistory:
+    """The latest outer step this peer has seen the run at, from the progress records on the DHT."""
+
+    outer_step: int
+    peers: int  # how many peers' records are at that step (live or gone)
+    age_s: float  # seconds since the newest of them was written
+
+
 def parse_progress(subkey: object, value: object, fingerprint: str) -> Optional[PeerProgress]:
     """The record of the peer that signed it, or None (logged once) if it is not one of this run's."""
     parsed = read_signed(ProgressValue, subkey, value, "progress record")
@@ -157,6 +166,20 @@ class SwarmProgress:
             self._unverified.pop(record.peer_id, None)  # it moved on: its new claim counts again
             records[record.peer_id] = record
         return records
+
+    def history(self) -> Optional[RunHistory]:
+        """The latest outer step at which this peer has seen the run, from every record read and not yet
+        expired, of peers live or gone (LEFT), this one's own and the loading ones left out (a loading
+        peer holds no state of that step yet), and so are records of distrusted peers or refused states;
+        None if there is none (:mod:`p2p_diloco.train.catch_up`)."""
+        held = [record for record, _ in self._seen.values()
+                if record.peer_id != self.peer_id and record.phase != LOADING
+                and record.peer_id not in self._distrusted and record.sha256 not in self._refused_states]
+        if not held:
+            return None
+        step = max(record.outer_step for record in held)
+        at_step = [record for record in held if record.outer_step == step]
+        return RunHistory(step, len(at_step), max(0.0, time.time() - max(record.time for record in at_step)))
 
     def set_aside(self, claims: dict[str, tuple[int, str]], why: str = "no peer served that state") -> None:
         """Ignore these peers' records while they claim the same (outer step, sha256): nobody served it, or

@@ -56,7 +56,9 @@ from p2p_diloco.swarm.records import RecordPublisher, assistance_key
 from p2p_diloco.swarm.status import StatusPublisher, choose_shard, read_status, settings_mismatch
 from p2p_diloco.sync.outer_sync import GroupMean, OuterSync
 from p2p_diloco.sync.robust import aggregation_rule
+from p2p_diloco.sync.state_store import StateStore, StoreError, StoreWriter
 from p2p_diloco.sync.state_transfer import GlobalState, StateExpectation, download_global_state, nobody_serves
+from p2p_diloco.train.catch_up import POLL_S, CatchUpWait, behind_alone
 from p2p_diloco.train.checkpoint import check_checkpoint_settings, load_checkpoint, save_checkpoint
 from p2p_diloco.train.data import DataError, checkpointed_stream_state, order_seed
 from p2p_diloco.train.error_feedback import ErrorFeedback
@@ -159,6 +161,12 @@ class DiLoCoPeer:
         self.groupmates: set[str] = set()  # identities this peer has averaged with: their word on a state counts first
         self.settings = settings
         self.fingerprint = fingerprint = settings_fingerprint(settings)
+        # the run's checkpoint store, if it has one (StoreError before anything starts if fsspec cannot open it):
+        # written every checkpoint_every outer steps, read when no peer serves the run's state (sync/state_store.py)
+        self.store = StateStore(cfg.swarm.checkpoint_store, cfg.run.name, fingerprint) if cfg.swarm.checkpoint_store else None
+        self.store_writer = StoreWriter(self.store, cfg.swarm.checkpoint_every) \
+            if self.store and cfg.swarm.checkpoint_every else None
+        self.catch_up = CatchUpWait(cfg.run.name, cfg.swarm.state_wait_timeout)
         status = StatusPublisher(node.dht, cfg.run.name, node.identity.record_subkey, cfg.swarm.progress_ttl,
                                  fingerprint=fingerprint, settings=settings, reachability=node.reachability.mode,
                                  device=describe_device(self.inner.device))
@@ -237,12 +245,16 @@ class DiLoCoPeer:
                 plan = plan_round(records, self.global_model.outer_step, self.sha256)
                 if plan.action == "load" and self._load_from_peers(plan, records):
                     continue
+                if self._behind_without_state(records):
+                    continue
                 self._round()
         finally:
             self._leave()
 
     def _join(self) -> None:
         self.restored = self._restore_checkpoint()
+        if self.store is not None and not self.progress.fetch().keys() - {self.peer_id}:
+            self._load_from_store("no live peer of the run is in the swarm")  # the run's state, if it has one
         self._after_state_change()
         self.view.joined(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done,
                          data_shard=self._shard_claim())
@@ -429,6 +441,8 @@ class DiLoCoPeer:
             step, result.group_size, result.group_samples, mean_loss, self.sha256[:12],
         )
         self._save_checkpoint()
+        if self.store_writer is not None:
+            self.store_writer.after_step(step, self.sha256, self.inner.steps_done, self._state_snapshot)
 
     # ----- catching up ----------------------------------------------------------------------------
     def _trusted_plan(self, plan: RoundPlan, records: dict[str, PeerProgress]) -> Optional[RoundPlan]:
@@ -523,24 +537,68 @@ class DiLoCoPeer:
             self.view.training()
             self._refuse_state(state, plan, problem, failures)
             return False
+        self._adopt(state.tensors, state.outer_step, state.inner_steps, plan.reason, source="peer", donor=state.donor,
+                    failed_donors=failures)
+        return True
+
+    def _adopt(self, tensors: list[torch.Tensor], outer_step: int, inner_steps: int, reason: str, source: str,
+               **details) -> None:
+        """Replace this peer's state with a checked one (θ_global and momentum at `outer_step`) that came from
+        `source` ("peer" or "store"); θ_local and its unsynced inner steps go with the old state."""
         contribution = self.local.contribution  # its unsynced inner steps are dropped with θ_local
         samples_dropped = max(contribution.samples(f) for f in range(len(self.schedule.fragments)))
         with self._state_lock:
-            self.global_model.load_state_tensors(state.tensors, state.outer_step)
+            self.global_model.load_state_tensors(tensors, outer_step)
             self.local.replace_with(self.global_model, self.schedule.fragments)
-            self.inner.fast_forward_schedule(state.inner_steps)
+            self.inner.fast_forward_schedule(inner_steps)
             self.rounds_not_applied = 0
             self._after_state_change()
         self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
         self.view.training(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done)
-        self.metrics.write("state_loaded", outer_step=state.outer_step, global_sha256=self.sha256, reason=plan.reason,
-                           donor=state.donor, failed_donors=failures, samples_dropped=samples_dropped)
-        logger.info("loaded global state at outer step %d (%s) from %s", state.outer_step, self.sha256[:12],
-                    state.donor)
+        self.metrics.write("state_loaded", outer_step=outer_step, global_sha256=self.sha256, reason=reason,
+                           source=source, samples_dropped=samples_dropped, **details)
+        logger.info("loaded global state at outer step %d (%s) from %s %s", outer_step, self.sha256[:12], source,
+                    details.get("donor", ""))
         self._save_checkpoint()
+
+    def _load_from_store(self, reason: str) -> bool:
+        """Adopt the newest whole state in the run's checkpoint store above this peer's outer step, if any."""
+        step = self.global_model.outer_step
+        try:
+            stored = self.store.newest([tuple(p.shape) for p in self.local_params], above_step=step)
+        except StoreError as e:
+            logger.warning("%s", e)
+            return False
+        if stored is None:
+            return False
+        self._adopt(stored.tensors, stored.outer_step, stored.inner_steps, f"{reason}: the checkpoint store's newest",
+                    source="store", donor=stored.source)
+        return True
+
+    def _behind_without_state(self, records: dict[str, PeerProgress]) -> bool:
+        """True, after a pause, while the run is ahead of this peer, no other live peer is at its step and
+        nothing served the run's state: this peer must not train (:mod:`p2p_diloco.train.catch_up`); it
+        tries the checkpoint store, if the run has one, and the peers again at the next plan. Raises
+        NoStateSource once that has lasted ``swarm.state_wait_timeout``."""
+        step = self.global_model.outer_step
+        history = self.progress.history()
+        if not behind_alone(step, history, records, self.peer_id):
+            self.catch_up.reset()
+            return False
+        reason = f"the run is at outer step {history.outer_step} and no peer served its state"
+        if self.store is not None and self._load_from_store(reason):
+            self.catch_up.reset()
+            return True
+        self.catch_up.wait(step, history, self.cfg.swarm.checkpoint_store)
+        self.stop_event.wait(POLL_S)
         return True
 
     # ----- checkpoints ----------------------------------------------------------------------------
+    def _state_snapshot(self) -> list[torch.Tensor]:
+        """A copy of θ_global and the outer momentum, taken under the state's lock."""
+        with self._state_lock:
+            return [t.clone() for t in self.global_model.state_tensors()]
+
     def _save_checkpoint(self) -> None:
         if not self.checkpoint_dir:
             return
@@ -596,6 +654,8 @@ class DiLoCoPeer:
         if self.assistance is not None:
             self.assistance.close()
         self.metrics.write("exit", outer_step=self.global_model.outer_step, global_sha256=self.sha256)
+        if self.store_writer is not None:
+            self.store_writer.close(timeout=self.cfg.swarm.state_download_timeout)
         self._sync_thread.shutdown(wait=True)
         self.sync.shutdown()
 
