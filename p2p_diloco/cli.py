@@ -62,7 +62,11 @@ def main():
                    "bandwidth and memory: see docs/network.md.")
 @click.option("--assist-max-params", default=50_000_000, show_default=True, type=click.IntRange(0),
               help="Assist runs whose averaged parameters add up to at most this many (an fp32 copy each).")
-def bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist, assist_max_params):
+@click.option("--keep", "keep", default=None, type=click.Path(exists=True, dir_okay=False), metavar="RUN.toml",
+              help="Keep the state of this run for it: follow the run step by step, serve its latest agreed "
+                   "state to joiners (also when all of its peers are gone), and write it to the run's "
+                   "swarm.checkpoint_store every swarm.checkpoint_every outer steps. Holds the model on the CPU.")
+def bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist, assist_max_params, keep):
     """Host a DHT node that peers use to find each other.
 
     Prints every multiaddr it can be reached at, one per line: give one of them to peers as
@@ -70,7 +74,8 @@ def bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, as
     """
     from p2p_diloco.node_runner import run_bootstrap
 
-    sys.exit(run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist, assist_max_params))
+    sys.exit(run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist, assist_max_params,
+                           keep))
 
 
 def _training_options(fn):

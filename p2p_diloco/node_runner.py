@@ -75,7 +75,7 @@ def print_maddrs(dht, prefix: str = "") -> None:
 
 
 def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist: bool,
-                  assist_max_params: int) -> int:
+                  assist_max_params: int, keep: Optional[str] = None) -> int:
     setup_logging(verbose)
     from p2p_diloco.process_tree import children_exit_with_this_process
     from p2p_diloco.swarm.identity import Identity, IdentityError
@@ -87,24 +87,73 @@ def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose
     children_exit_with_this_process()
     try:
         identity = Identity.load_or_create(identity_path)
+        keeper = _prepare_keeper(keep, identity.peer_id) if keep else None  # a bad config stops it before the node
         dht = start_dht(host, port, identity, node_validators(identity), announce_ip, initial_peers)
-    except (NodeAddressError, IdentityError) as e:
+    except (NodeAddressError, IdentityError, ValueError) as e:  # ConfigError and DataError are ValueErrors
         return fail(str(e), EXIT_USAGE)
     except ConnectionError as e:
         return fail(str(e), EXIT_UNREACHABLE)
+    keeping = None
     try:
         print_maddrs(dht)
         logger.info("bootstrap node is up; give peers one of the addresses above as --initial-peers")
         pool = AssistantPool(dht, assist_max_params) if assist else None
         logger.info("reducing for runs whose peers nobody can dial: %s",
                     f"yes, up to {assist_max_params:,} parameters" if assist else "no (--no-assist)")
+        if keeper is not None:
+            keeping = _start_keeper(keeper, dht, identity, stop)
         stop.wait()
+        if keeping is not None:
+            keeping.join(KEEPER_STOP_S)
         if pool is not None:
             pool.close()
     finally:
         shutdown_dht(dht)
         logger.info("bootstrap node stopped")
     return EXIT_OK
+
+
+KEEPER_STOP_S = 60.0  # how long a stopping bootstrap node waits for its keeper to leave the run
+
+
+def _prepare_keeper(config_path: str, peer_id: str):
+    """What the keeper of the run `config_path` describes needs before the node starts: the run config, the
+    model (on the CPU: it holds θ_global and the momentum, and never trains) and the run's settings.
+    ConfigError or DataError (one line) if they cannot be had."""
+    import torch
+
+    from p2p_diloco.config import load_config
+
+    cfg = load_config(config_path)
+    model, settings, peer_data, _ = _prepare_training(cfg, peer_id, torch.device("cpu"))
+    return cfg, model, settings, peer_data
+
+
+def _start_keeper(prepared, dht, identity, stop) -> threading.Thread:
+    """Run the keeper of a run (:meth:`p2p_diloco.train.diloco.DiLoCoPeer.keep`) on the bootstrap node's own
+    DHT node and identity, in a thread, until `stop`."""
+    from p2p_diloco.config import settings_fingerprint
+    from p2p_diloco.swarm.node import RunNode
+    from p2p_diloco.swarm.reachability import DIRECT, Reachability
+    from p2p_diloco.train.diloco import DiLoCoPeer
+
+    cfg, model, settings, peer_data = prepared
+    node = RunNode(dht, identity, Reachability(DIRECT, "the bootstrap node: peers dial it"))
+    keeper = DiLoCoPeer(cfg, model, peer_data, node, settings, stop_event=stop, keeper=True)
+    logger.info("keeping the state of run %r (settings fingerprint %s)%s", cfg.run.name,
+                settings_fingerprint(settings)[:16],
+                f", written to {cfg.swarm.checkpoint_store} every {cfg.swarm.checkpoint_every} outer steps"
+                if cfg.swarm.checkpoint_store and cfg.swarm.checkpoint_every else "")
+
+    def keep() -> None:
+        try:
+            keeper.keep()
+        except Exception:  # the node goes on serving the DHT and assisting
+            logger.exception("the keeper of run %r stopped", cfg.run.name)
+
+    thread = threading.Thread(target=keep, name="keeper", daemon=True)
+    thread.start()
+    return thread
 
 
 def _pick_device(name: str):
@@ -241,7 +290,7 @@ def run_peer(config_path, options: PeerOptions) -> int:
     from p2p_diloco.config import check_member, settings_fingerprint
     from p2p_diloco.metrics import MetricsWriter
     from p2p_diloco.swarm.identity import Identity, IdentityError
-    from p2p_diloco.swarm.node import start_run_node
+    from p2p_diloco.swarm.node import peer_ids_of, start_run_node
     from p2p_diloco.train.data import DataError
     from p2p_diloco.train.checkpoint import check_checkpoint_settings
     from p2p_diloco.sync.state_store import StoreError
@@ -281,8 +330,10 @@ def run_peer(config_path, options: PeerOptions) -> int:
         metrics.write("reachability", reachability=node.reachability.mode, detail=node.reachability.detail,
                       reduces=node.reachability.can_reduce, summary=summary)
         try:
+            # the run's bootstrap nodes are its keepers: their word on the run's state counts like a groupmate's
             trainer = DiLoCoPeer(cfg, model, peer_data, node, settings, metrics, stop_event=install_stop_handlers(),
-                                 display=InnerProgress(), micro_batch_size=micro_batch_size)
+                                 display=InnerProgress(), micro_batch_size=micro_batch_size,
+                                 trusted_peers=peer_ids_of(initial_peers))
         except StoreError as e:  # a checkpoint store URL that fsspec cannot open
             trainer, error = None, (str(e), EXIT_USAGE)
         try:

@@ -4,7 +4,8 @@ finds the run ahead of it and nothing to load from never starts a second history
 Real processes on loopback: two peers take 3 outer steps, writing each to the run's store, and
 leave. A newcomer without the store sees their records at outer step 3, waits its bound without
 training and exits 5 with one line; a newcomer with the store skips a state cut short mid-write,
-starts from the newest whole one and goes on with the run's history."""
+starts from the newest whole one and goes on with the run's history. And with the bootstrap node
+keeping the run (``bootstrap --keep``), a newcomer after the peers left goes on from the keeper."""
 
 import json
 
@@ -12,8 +13,10 @@ import pytest
 
 from p2p_diloco.metrics import read_metrics
 from tests.swarm_helpers import (
-    FAST_TIMEOUTS, assert_consistent, hashes_by_step, outer_steps, proc, start_bootstrap, start_peer, tiny_config_file,
+    FAST_TIMEOUTS, LOOPBACK, assert_consistent, hashes_by_step, outer_steps, proc, start_bootstrap, start_peer,
+    tiny_config_file,
 )
+from tests.test_join_status import cli
 
 RUN_STEPS = 3
 # records of peers that left must outlive the newcomers' start-up (FAST_TIMEOUTS' 12 s is for crashes)
@@ -59,3 +62,30 @@ def test_a_newcomer_continues_from_the_runs_store_and_without_one_stops_rather_t
         [("store", RUN_STEPS, next(iter(run_state)))], loaded
     assert [r["outer_step"] for r in outer_steps(newcomer)] == [RUN_STEPS + 1]  # the run's history goes on
     assert "skipping outer step 4" in processes.log("newcomer")
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(420)
+def test_the_bootstrap_node_keeps_the_run_for_a_newcomer_after_its_peers_left(processes, tmp_path):
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=SWARM)
+    maddr = start_bootstrap(processes, LOOPBACK, "--keep", str(config))
+    # rounds of a few seconds, as a keeper that reads the records every 2 s expects (10 inner steps of the tiny
+    # model took 0.4 s: the peers took 3 outer steps before its first read, in a tie of 1 record to 1)
+    first = [start_peer(processes, f"peer{i}", config, maddr, "--wait-for-peers", "2",
+                        "--max-outer-steps", str(RUN_STEPS), faults="inner_step_delay=0.4") for i in range(2)]
+    for i in range(2):
+        assert proc(processes, f"peer{i}").wait(240) == 0, processes.log(f"peer{i}")[-3000:]
+    run_states = hashes_by_step(first)
+
+    status = cli("status", "--initial-peers", maddr, "--run", "test", "--json")
+    assert status.returncode == 0, status.stderr
+    (run,) = json.loads(status.stdout)["runs"]
+    (keeper,) = run["peers"]  # the peers left: the keeper alone is live, keeping the run's last state
+    assert keeper["phase"] == "keeping" and keeper["outer_step"] == RUN_STEPS, keeper  # they waited for it to have it
+
+    newcomer = start_peer(processes, "newcomer", config, maddr, "--max-outer-steps", str(RUN_STEPS + 1))
+    assert proc(processes, "newcomer").wait(180) == 0, processes.log("newcomer")[-3000:]
+    loaded = [r for r in read_metrics(newcomer) if r["event"] == "state_loaded"]
+    assert [(r["source"], r["outer_step"]) for r in loaded] == [("keeper", RUN_STEPS)], loaded
+    assert {loaded[0]["global_sha256"]} == run_states[RUN_STEPS]  # the state the run's peers agreed on last
+    assert [r["outer_step"] for r in outer_steps(newcomer)] == [RUN_STEPS + 1]  # and the run goes on from it

@@ -58,6 +58,11 @@ def announce_maddrs(announce_ip: str | None, port: int) -> list[str] | None:
     return [f"/{_ip_protocol(announce_ip, '--announce-ip')}/{announce_ip}/tcp/{port}"]
 
 
+def peer_ids_of(maddrs: Sequence[str]) -> list[str]:
+    """The peer IDs (base58) at the end of peer multiaddrs (checked by :func:`parse_initial_peers`)."""
+    return [Multiaddr(maddr).value_for_protocol("p2p") for maddr in parse_initial_peers(maddrs)]
+
+
 def parse_initial_peers(maddrs: Sequence[str], where: str = "--initial-peers") -> list[str]:
     """Check each value (of --initial-peers, or `where`) is a full multiaddr ending in /p2p/<peer id>."""
     parsed = []
@@ -198,7 +203,7 @@ def start_run_node(
     identity = identity or Identity.load_or_create(None)
     validators = run_validators(identity, run_name, allowed_peers)
     dht = start_dht(host, port, identity, validators, announce_ip, initial_peers)
-    helpers = [Multiaddr(maddr).value_for_protocol("p2p") for maddr in parse_initial_peers(initial_peers)]
+    helpers = peer_ids_of(initial_peers)
     found = probe(dht, helpers)
     if found is None:
         reason = "no initial peer" if not helpers else "no initial peer answered a dial-back request"

@@ -38,12 +38,12 @@ from hivemind.utils import get_dht_time
 from p2p_diloco.remote_input import warn_once
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
 from p2p_diloco.swarm.records import (
-    LEFT, LOADING, READY, TRAINING, ProgressValue, RecordPublisher, progress_key, read_signed, signed_records,
+    KEEPING, LEFT, LOADING, READY, TRAINING, ProgressValue, RecordPublisher, progress_key, read_signed, signed_records,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRAINING", "READY", "LOADING", "LEFT", "PeerProgress", "SwarmProgress", "RoundPlan", "plan_round",
+__all__ = ["TRAINING", "READY", "LOADING", "KEEPING", "LEFT", "PeerProgress", "SwarmProgress", "RoundPlan", "plan_round",
            "AveragingPlan", "plan_averaging"]
 
 
@@ -53,7 +53,9 @@ class PeerProgress:
     outer_step: int  # outer steps applied to this peer's global state
     sha256: str  # of that state (θ_global and the outer momentum)
     # TRAINING toward outer_step + 1, READY to average for it, LOADING the swarm's state at outer_step
-    # (to train toward outer_step + 1 next; its sha256 is not yet that state's), or LEFT the swarm
+    # (to train toward outer_step + 1 next; its sha256 is not yet that state's), KEEPING the run's state at
+    # outer_step without training (the run's keeper: it serves that state, and nobody waits or averages with it),
+    # or LEFT the swarm
     phase: str
     samples: int = 0  # samples in this peer's pseudo-gradient so far
     time: float = 0.0
@@ -206,7 +208,7 @@ class SwarmProgress:
         """
         deadline = time.monotonic() + timeout
         while True:
-            seen = len(self.fetch())
+            seen = sum(record.phase != KEEPING for record in self.fetch().values())  # a keeper trains nothing
             if seen >= count:
                 return seen
             if time.monotonic() >= deadline:
@@ -347,7 +349,7 @@ def plan_averaging(records: dict[str, PeerProgress], outer_step: int, peer_id: s
     this step is unreachable, nobody of them can reduce: the round needs an assistant, a reachable
     node that reduces for them.
     """
-    others = [r for pid, r in records.items() if pid != peer_id]
+    others = [r for pid, r in records.items() if pid != peer_id and r.phase != KEEPING]  # a keeper never averages
     groupmates = [r for r in others if r.outer_step == outer_step]
     if not groupmates:
         if others:

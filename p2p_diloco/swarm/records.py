@@ -48,7 +48,7 @@ from p2p_diloco.swarm.identity import Identity, owner_peer_id
 
 logger = logging.getLogger(__name__)
 
-TRAINING, READY, LOADING, LEFT = "training", "ready", "loading", "left"
+TRAINING, READY, LOADING, KEEPING, LEFT = "training", "ready", "loading", "keeping", "left"
 
 
 class ProgressValue(StrictModel):
@@ -56,7 +56,7 @@ class ProgressValue(StrictModel):
 
     outer_step: OuterStep
     sha256: Sha256Hex
-    phase: Literal["training", "ready", "loading", "left"]
+    phase: Literal["training", "ready", "loading", "keeping", "left"]  # keeping: the run's keeper (train/keeper.py)
     samples: Count
     time: FiniteFloat
     fingerprint: Sha256Hex
@@ -76,7 +76,7 @@ class StatusValue(StrictModel):
     """A peer's status record, for people and joiners (see :mod:`p2p_diloco.swarm.status`); every field bounded."""
 
     outer_step: OuterStep
-    phase: Literal["starting", "training", "syncing", "loading", "left"]
+    phase: Literal["starting", "training", "syncing", "loading", "keeping", "left"]
     inner_steps: Count  # done since the run began (the lr schedule's position)
     samples_per_s: NonNegative  # inner-loop throughput over its last steps
     loss: Optional[FiniteFloat]  # mean inner loss of the current (or last) round

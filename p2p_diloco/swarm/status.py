@@ -36,7 +36,7 @@ from p2p_diloco.swarm.records import RecordPublisher, StatusValue, read_signed, 
 
 logger = logging.getLogger(__name__)
 
-STARTING, TRAINING, SYNCING, LOADING, LEFT = "starting", "training", "syncing", "loading", "left"
+STARTING, TRAINING, SYNCING, LOADING, KEEPING, LEFT = "starting", "training", "syncing", "loading", "keeping", "left"
 
 @dataclass(frozen=True)
 class PeerStatus:

@@ -39,7 +39,7 @@ import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -50,7 +50,7 @@ from p2p_diloco.schedule import FragmentSchedule
 from p2p_diloco.swarm.liveness import answering
 from p2p_diloco.swarm.node import RunNode
 from p2p_diloco.swarm.progress import (
-    LEFT, LOADING, READY, TRAINING, PeerProgress, RoundPlan, SwarmProgress, plan_round,
+    KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RoundPlan, SwarmProgress, plan_round,
 )
 from p2p_diloco.swarm.records import RecordPublisher, assistance_key
 from p2p_diloco.swarm.status import StatusPublisher, choose_shard, read_status, settings_mismatch
@@ -59,6 +59,10 @@ from p2p_diloco.sync.robust import aggregation_rule
 from p2p_diloco.sync.state_store import StateStore, StoreError, StoreWriter
 from p2p_diloco.sync.state_transfer import GlobalState, StateExpectation, download_global_state, nobody_serves
 from p2p_diloco.train.catch_up import POLL_S, CatchUpWait, behind_alone
+
+KEEP_POLL_S = 2.0  # how often the keeper reads the run's records
+HANDOVER_S = 3 * KEEP_POLL_S  # how long a leaving peer waits for a keeper that lacks its state
+HANDOVER_POLL_S = 0.5
 from p2p_diloco.train.checkpoint import check_checkpoint_settings, load_checkpoint, save_checkpoint
 from p2p_diloco.train.data import DataError, checkpointed_stream_state, order_seed
 from p2p_diloco.train.error_feedback import ErrorFeedback
@@ -130,8 +134,13 @@ class DiLoCoPeer:
         stop_event: Optional[threading.Event] = None,
         display: Any = None,
         micro_batch_size: Optional[int] = None,
+        keeper: bool = False,
+        trusted_peers: Sequence[str] = (),
     ):
         self.cfg = cfg
+        # the run's keeper (:meth:`keep`) follows the run's state and serves it, and never trains
+        self.keeper = keeper
+        self.idle_phase = KEEPING if keeper else TRAINING
         self.model = model
         self.local_params = trainable_parameters(model)
         self.data = data
@@ -158,7 +167,9 @@ class DiLoCoPeer:
         self.checkpoint_dir = cfg.swarm.checkpoint_dir or None
         self.last_group_size = 1
         self.distrusted_donors: set[str] = set()  # peers that served a malformed or refused state
-        self.groupmates: set[str] = set()  # identities this peer has averaged with: their word on a state counts first
+        # identities this peer has averaged with, and the run's bootstrap nodes (its keepers): their word on a
+        # state counts first (train/state_check.py)
+        self.groupmates: set[str] = set(trusted_peers)
         self.settings = settings
         self.fingerprint = fingerprint = settings_fingerprint(settings)
         # the run's checkpoint store, if it has one (StoreError before anything starts if fsspec cannot open it):
@@ -170,7 +181,7 @@ class DiLoCoPeer:
         status = StatusPublisher(node.dht, cfg.run.name, node.identity.record_subkey, cfg.swarm.progress_ttl,
                                  fingerprint=fingerprint, settings=settings, reachability=node.reachability.mode,
                                  device=describe_device(self.inner.device))
-        self.view = PeerView(status, display, tokens_per_sample=cfg.data.seq_len)
+        self.view = PeerView(status, display, tokens_per_sample=cfg.data.seq_len, keeper=keeper)
         self.progress = SwarmProgress(node.dht, cfg.run.name, cfg.swarm.progress_ttl, node.identity.record_subkey,
                                       fingerprint, node.reachability.mode,
                                       answering=functools.partial(answering, node.dht))
@@ -251,6 +262,24 @@ class DiLoCoPeer:
         finally:
             self._leave()
 
+    def keep(self) -> None:
+        """Keep the run's state until stopped, as its keeper: follow the run step by step (each state it loads
+        is one the run's records vouch for, checked as any peer checks it: train/state_check.py), serve it to
+        joiners like any donor, and write it to the checkpoint store every ``swarm.checkpoint_every`` outer
+        steps. Its progress record says KEEPING: it vouches for the state it holds, nobody waits for it or
+        averages with it, and it never trains."""
+        try:
+            self._join()
+            while not self._stopping():
+                records = self.progress.fetch()
+                plan = plan_round(records, self.global_model.outer_step, self.sha256)
+                if plan.action == "load" and self._load_from_peers(plan, records) and self.store_writer is not None:
+                    self.store_writer.after_step(self.global_model.outer_step, self.sha256, self.inner.steps_done,
+                                                 self._state_snapshot)
+                self.stop_event.wait(KEEP_POLL_S)
+        finally:
+            self._leave()
+
     def _join(self) -> None:
         self.restored = self._restore_checkpoint()
         if self.store is not None and not self.progress.fetch().keys() - {self.peer_id}:
@@ -258,7 +287,7 @@ class DiLoCoPeer:
         self._after_state_change()
         self.view.joined(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done,
                          data_shard=self._shard_claim())
-        self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
+        self.progress.publish(self.global_model.outer_step, self.sha256, self.idle_phase)
         logger.info("joined at outer step %d (%s)", self.global_model.outer_step,
                     "checkpoint" if self.restored else "fresh")
 
@@ -509,7 +538,10 @@ class DiLoCoPeer:
         if plan is None:
             return False
         logger.info("loading global state from peers: %s", plan.reason)
-        self.progress.publish(plan.target_step, self.sha256, LOADING)  # peers at that step wait for this one
+        if self.keeper:  # nobody waits for a keeper: it keeps the state it has until the new one is checked
+            self.progress.publish(self.global_model.outer_step, self.sha256, KEEPING)
+        else:
+            self.progress.publish(plan.target_step, self.sha256, LOADING)  # peers at that step wait for this one
         self.view.loading()
         self.sync.share_state(False)  # nobody should copy a state we are replacing
         expected = StateExpectation(tuple(tuple(p.shape) for p in self.local_params), plan.target_step,
@@ -537,7 +569,9 @@ class DiLoCoPeer:
             self.view.training()
             self._refuse_state(state, plan, problem, failures)
             return False
-        self._adopt(state.tensors, state.outer_step, state.inner_steps, plan.reason, source="peer", donor=state.donor,
+        donor_record = records.get(state.donor)
+        source = "keeper" if donor_record is not None and donor_record.phase == KEEPING else "peer"
+        self._adopt(state.tensors, state.outer_step, state.inner_steps, plan.reason, source=source, donor=state.donor,
                     failed_donors=failures)
         return True
 
@@ -553,7 +587,7 @@ class DiLoCoPeer:
             self.inner.fast_forward_schedule(inner_steps)
             self.rounds_not_applied = 0
             self._after_state_change()
-        self.progress.publish(self.global_model.outer_step, self.sha256, TRAINING)
+        self.progress.publish(self.global_model.outer_step, self.sha256, self.idle_phase)
         self.view.training(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done)
         self.metrics.write("state_loaded", outer_step=outer_step, global_sha256=self.sha256, reason=reason,
                            source=source, samples_dropped=samples_dropped, **details)
@@ -641,10 +675,29 @@ class DiLoCoPeer:
             self.data_shard, self._saved_data_state = None, None
         return True
 
+    def _hand_over_to_keeper(self) -> None:
+        """Before this peer leaves, a keeper of the run that is behind its state gets up to
+        :data:`HANDOVER_S` to download it: the last peers of a run may leave right after a step, before the
+        keeper has read it (it reads every KEEP_POLL_S), and that step would be lost with them."""
+        if self.keeper:
+            return
+        step, deadline = self.global_model.outer_step, time.monotonic() + HANDOVER_S
+        while True:
+            keepers = [r for r in self.progress.fetch().values() if r.phase == KEEPING and r.peer_id != self.peer_id]
+            if not keepers or any(r.outer_step >= step for r in keepers):
+                return
+            if time.monotonic() >= deadline:
+                logger.warning("leaving before the run's keeper has this peer's outer step %d", step)
+                return
+            logger.info("leaving once the run's keeper has this peer's outer step %d (at most %.0f s)", step,
+                        deadline - time.monotonic())
+            time.sleep(HANDOVER_POLL_S)
+
     def _leave(self) -> None:
         """Tell the swarm this peer is gone, then stop the averager (the caller stops the DHT)."""
         self.stop_event.set()  # whatever ended the loop (a signal, an exception), a sync in flight stops too
         try:
+            self._hand_over_to_keeper()
             self.progress.publish(self.global_model.outer_step, self.sha256, LEFT)
             self.view.left()
         except Exception as e:  # leaving must not fail because the DHT is already unreachable

@@ -18,10 +18,11 @@ from p2p_diloco.swarm.status import StatusPublisher
 class PeerView:
     """The status record and the optional `display` of one peer; `tokens_per_sample` is ``data.seq_len``."""
 
-    def __init__(self, status: StatusPublisher, display: Any = None, tokens_per_sample: int = 1):
+    def __init__(self, status: StatusPublisher, display: Any = None, tokens_per_sample: int = 1, keeper: bool = False):
         self.status = status
         self.display = display
         self.tokens_per_sample = tokens_per_sample
+        self.idle_phase = peer_status.KEEPING if keeper else peer_status.TRAINING  # a keeper never trains
 
     def joined(self, **fields: Any) -> None:
         """The first record (outer step, inner steps, data shard): stored before the progress record, so a
@@ -45,7 +46,8 @@ class PeerView:
             self.display.syncing()
 
     def training(self, **fields: Any) -> None:
-        self.status.publish(phase=peer_status.TRAINING, **fields)
+        """Training toward the next outer step; a keeper keeping the run's state."""
+        self.status.publish(phase=self.idle_phase, **fields)
 
     def loading(self) -> None:
         self.status.publish(phase=peer_status.LOADING)
