@@ -42,11 +42,13 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
             proc.wait(5)
 
 
-def start_bootstrap(log_dir: Path, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """A bootstrap node on a free loopback port; returns the process and its first multiaddr."""
-    err = open(log_dir / "bootstrap.log", "w")
+def start_bootstrap(log_dir: Path, timeout_s: float = 60.0, *extra: str, log_name: str = "bootstrap.log"
+                    ) -> tuple[subprocess.Popen, str]:
+    """A bootstrap node on a free loopback port (`extra`: more `bootstrap` options); returns the process and
+    its first multiaddr."""
+    err = open(log_dir / log_name, "w")
     proc = subprocess.Popen(
-        cli_command("bootstrap", "--host", "127.0.0.1", "--port", "0"),
+        cli_command("bootstrap", "--host", "127.0.0.1", "--port", "0", *extra),
         stdout=subprocess.PIPE, stderr=err, text=True,
     )
     deadline = time.monotonic() + timeout_s

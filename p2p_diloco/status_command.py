@@ -53,6 +53,12 @@ def format_run(run: str, rows: list[dict]) -> str:
     main = fingerprints.most_common(1)[0][0] if rows else None
     step = max((r["outer_step"] for r in rows if r["fingerprint"] == main), default=0)
     header = f"run {run}: {len(rows)} live peer(s), outer step {step}"
+    keepers = [r for r in rows if r["phase"] == "keeping"]
+    if keepers:
+        header += f", kept by {', '.join(r['peer_id'][-8:] for r in keepers)}"
+    stored = max((r.get("stored_step") or 0 for r in rows), default=0)
+    if stored:
+        header += f", newest checkpoint in the store: outer step {stored}"
     if main is not None:
         header += f", settings {main[:12]}"
     if len(fingerprints) > 1:

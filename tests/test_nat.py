@@ -111,3 +111,20 @@ def test_natted_joiner_loads_the_state_and_trains(processes, tmp_path, topology)
     assert loaded["donor"] == read_metrics(peers["public0"][1])[0]["peer_id"]  # the only peer anyone can dial
     assert all(r["group_size"] == 3 for r in outer_steps(late)), outer_steps(late)
     assert_consistent([*(m for _, m in peers.values()), late])
+
+
+def test_the_keeper_follows_a_run_nobody_can_dial_and_serves_a_natted_joiner(processes, tmp_path, topology):
+    """Every peer behind NAT, so none serves its state: the bootstrap node's keeper (--keep) gets each step
+    pushed by the first of them (they dial it), and a NATed joiner loads the run's state from it."""
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS)
+    maddr = start_bootstrap(processes, topology.add_public("bootstrap"), "--keep", str(config))
+    homes = [topology.add_home(f"home{i}") for i in range(2)]
+    peers = [start_peer(processes, host.name, config, maddr, "--wait-for-peers", "2", host=host,
+                        faults="inner_step_delay=0.2") for host in homes]
+    wait_for_steps(peers, 2)
+    assert "pushed outer step" in processes.log("home0") + processes.log("home1")
+    late = start_peer(processes, "late", config, maddr, host=topology.add_home("late"))
+    wait_until(lambda: len(outer_steps(late)) >= 1, 240, "an outer step of the joiner")
+    loaded = [r for r in read_metrics(late) if r["event"] == "state_loaded"]
+    assert loaded and loaded[0]["source"] == "keeper", loaded
+    assert_consistent(peers + [late])

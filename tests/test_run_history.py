@@ -14,7 +14,7 @@ import pytest
 from p2p_diloco.metrics import read_metrics
 from tests.swarm_helpers import (
     FAST_TIMEOUTS, LOOPBACK, assert_consistent, hashes_by_step, outer_steps, proc, start_bootstrap, start_peer,
-    tiny_config_file,
+    tiny_config_file, wait_until,
 )
 from tests.test_join_status import cli
 
@@ -68,7 +68,10 @@ def test_a_newcomer_continues_from_the_runs_store_and_without_one_stops_rather_t
 @pytest.mark.timeout(420)
 def test_the_bootstrap_node_keeps_the_run_for_a_newcomer_after_its_peers_left(processes, tmp_path):
     config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=SWARM)
-    maddr = start_bootstrap(processes, LOOPBACK, "--keep", str(config))
+    store = tmp_path / "store"  # the keeper writes the run's state there; peers only read it (checkpoint_every 0)
+    keeping = tiny_config_file(tmp_path / "keeper", inner={"steps_per_outer": 10},
+                               swarm={**SWARM, "checkpoint_store": str(store), "checkpoint_every": 1})
+    maddr = start_bootstrap(processes, LOOPBACK, "--keep", str(keeping))
     # rounds of a few seconds, as a keeper that reads the records every 2 s expects (10 inner steps of the tiny
     # model took 0.4 s: the peers took 3 outer steps before its first read, in a tie of 1 record to 1)
     first = [start_peer(processes, f"peer{i}", config, maddr, "--wait-for-peers", "2",
@@ -82,6 +85,11 @@ def test_the_bootstrap_node_keeps_the_run_for_a_newcomer_after_its_peers_left(pr
     (run,) = json.loads(status.stdout)["runs"]
     (keeper,) = run["peers"]  # the peers left: the keeper alone is live, keeping the run's last state
     assert keeper["phase"] == "keeping" and keeper["outer_step"] == RUN_STEPS, keeper  # they waited for it to have it
+    # the table names the keeper and the newest state in the run's store (a status record refreshes every 10 s)
+    wait_until(lambda: f"newest checkpoint in the store: outer step {RUN_STEPS}" in
+               cli("status", "--initial-peers", maddr, "--run", "test").stdout, 60, "the store's newest step in status")
+    assert f"kept by {keeper['peer_id'][-8:]}" in cli("status", "--initial-peers", maddr, "--run", "test").stdout
+    assert sorted(int(p.stem) for p in (store / "steps").glob("*.json")) == list(range(1, RUN_STEPS + 1))
 
     newcomer = start_peer(processes, "newcomer", config, maddr, "--max-outer-steps", str(RUN_STEPS + 1))
     assert proc(processes, "newcomer").wait(180) == 0, processes.log("newcomer")[-3000:]

@@ -88,6 +88,7 @@ class StatusValue(StrictModel):
     fingerprint: Sha256Hex
     settings: Dict[SettingName, SettingValue]  # p2p_diloco.config.shared_settings, hashing to the fingerprint
     time: FiniteFloat
+    stored_step: Optional[OuterStep] = None  # the newest outer step it wrote to the run's checkpoint store
 
     @pydantic.validator("settings")
     def _bounded(cls, settings):

@@ -37,7 +37,7 @@ from hivemind import DHT
 
 from p2p_diloco.remote_input import warn_once
 from p2p_diloco.schedule import fragment_at
-from p2p_diloco.swarm.progress import READY, PeerProgress, agreed_sha256, read_progress
+from p2p_diloco.swarm.progress import KEEPING, READY, PeerProgress, agreed_sha256, read_progress
 from p2p_diloco.swarm.reachability import UNREACHABLE
 from p2p_diloco.swarm.records import AssistanceRequest, assistance_key, progress_key, signed_records
 from p2p_diloco.sync.codecs import CODECS
@@ -53,10 +53,12 @@ REQUESTS_POLL_S = 5.0  # how often the pool reads the assistance requests
 
 
 def step_needing_help(records: Sequence[PeerProgress]) -> Optional[int]:
-    """The latest outer step at which at least two live peers are all ready to average, and all unreachable."""
+    """The latest outer step at which at least two live peers are all ready to average, and all unreachable (a
+    keeper, which never averages, left out)."""
     by_step: dict[int, list[PeerProgress]] = defaultdict(list)
     for record in records:
-        by_step[record.outer_step].append(record)
+        if record.phase != KEEPING:
+            by_step[record.outer_step].append(record)
     steps = [step for step, peers in by_step.items()
              if len(peers) >= 2 and all(r.phase == READY and r.reachability == UNREACHABLE for r in peers)]
     return max(steps, default=None)

@@ -15,6 +15,7 @@ serve each other state.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import secrets
@@ -26,6 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from hivemind import DHT
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.matchmaking import MatchmakingException
 
 from p2p_diloco.config import SwarmConfig
@@ -91,8 +93,41 @@ def group_bits(outer_step: int) -> str:
     return format(outer_step % 2**STEP_KEY_BITS, f"0{STEP_KEY_BITS}b")
 
 
+STATE_RPCS = frozenset({"rpc_download_state", "rpc_take_state"})  # the global state's handlers
+
+
 class SwarmAverager(StateSharing, ExactMeanAverager):
-    """The exact all-reduce of the pseudo-gradients and the checked transfer of the global state."""
+    """The exact all-reduce of the pseudo-gradients and the checked transfer of the global state.
+
+    The bootstrap node may run two of them for one run, on one p2p daemon and in one namespace: an
+    assistant (:mod:`p2p_diloco.sync.assistant`: it reduces and holds no state) and the run's keeper (it
+    holds the state and never averages). Each registers the handlers of its role alone, or the second
+    to start would fail on a handler name that the first already holds."""
+
+    def _serves(self, method_name: str) -> bool:
+        if self.takes_pushed_states:  # the keeper's
+            return method_name in STATE_RPCS
+        if self.mode == AveragingMode.AUX:  # an assistant's
+            return method_name not in STATE_RPCS
+        return True
+
+    async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace: Optional[str] = None, balanced: bool = False):
+        """hivemind's, for the handlers of this averager's role (:meth:`_serves`)."""
+        self._collect_rpc_handlers()
+        await asyncio.gather(*[
+            p2p.add_protobuf_handler(self._get_handle_name(namespace, handler.method_name),
+                                     getattr(self if wrapper is None else wrapper, handler.method_name),
+                                     handler.request_type, stream_input=handler.stream_input,
+                                     stream_output=handler.stream_output, balanced=balanced)
+            for handler in self._rpc_handlers if self._serves(handler.method_name)])
+
+    async def remove_p2p_handlers(self, p2p, *, namespace: Optional[str] = None) -> None:
+        """hivemind's, for the handlers that :meth:`add_p2p_handlers` registered."""
+        self._collect_rpc_handlers()
+        await asyncio.gather(*[
+            p2p.remove_protobuf_handler(self._get_handle_name(namespace, handler.method_name),
+                                        stream_input=handler.stream_input, stream_output=handler.stream_output)
+            for handler in self._rpc_handlers if self._serves(handler.method_name)])
 
     def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
         """hivemind's, without its side effects on the calling process: hivemind sets SIGINT to "ignore"
@@ -161,6 +196,7 @@ class OuterSync:
         aggregation: AggregationRule = EXACT_MEAN,
         fragments: Optional[list[list[int]]] = None,
         record_sent: bool = False,
+        takes_pushed_states: bool = False,
     ):
         self.cfg = cfg
         self.client_mode = client_mode
@@ -180,6 +216,7 @@ class OuterSync:
             aggregation=aggregation,
             fragments=fragments,  # kept by the averager alone: its process reads them too
             record_sent=record_sent,
+            takes_pushed_states=takes_pushed_states,  # the run's keeper (sync/state_transfer.py)
             **averager_timeouts(cfg),
         )
 

@@ -161,9 +161,10 @@ class StoreWriter:
     write of a large model to a remote store does not hold up training. One write at a time; a step
     that comes due while the last write still runs is skipped (the next one is written)."""
 
-    def __init__(self, store: StateStore, every: int):
+    def __init__(self, store: StateStore, every: int, on_written: Callable[[int], None] = lambda step: None):
         self.store = store
         self.every = every
+        self.on_written = on_written  # called with the outer step of each state written
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="state-store")
         self._pending: Optional[concurrent.futures.Future] = None
 
@@ -184,6 +185,7 @@ class StoreWriter:
         try:
             path = self.store.write(outer_step, sha256, inner_steps, tensors)
             logger.info("checkpoint store: wrote outer step %d (%s) to %s", outer_step, sha256[:12], path)
+            self.on_written(outer_step)
         except StoreError as e:  # the next due step tries again; training goes on
             logger.warning("%s", e)
 

@@ -33,11 +33,12 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
-from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.asyncio import as_aiter
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from p2p_diloco import faults
@@ -135,8 +136,13 @@ class StateSharing(DecentralizedAverager):
     :class:`~p2p_diloco.sync.group_screen.GroupScreen`), which decides whom the state is refused to.
     """
 
-    def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], **kwargs):
+    def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
+                 takes_pushed_states: bool = False, **kwargs):
         self._state_provider = state_provider
+        # the run's keeper takes states that unreachable peers push to it (:meth:`push_state`): nobody can dial
+        # them to download one. The last one pushed, checked for form alone, waits in the averager process
+        self.takes_pushed_states = takes_pushed_states
+        self._pushed: Optional[tuple[str, Any, list[torch.Tensor]]] = None
         super().__init__(*args, **kwargs)
 
     def get_current_state(self):
@@ -227,6 +233,12 @@ class StateSharing(DecentralizedAverager):
         connection as a normal end, so a donor that died mid-transfer looks like one that sent less."""
         stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        return await self._read_state(stream, chunk_timeout, expected.max_bytes, len(expected.param_shapes))
+
+    async def _read_state(self, stream: AsyncIterator[averaging_pb2.DownloadData], chunk_timeout: float,
+                          max_bytes: int, num_params: int) -> tuple[Any, list[torch.Tensor]]:
+        """(metadata, tensors) of a state's stream, as hivemind's ``rpc_download_state`` writes it: each
+        message within `chunk_timeout`, at most `max_bytes` in all (MalformedStateError past them)."""
         metadata, tensors, parts, received = None, [], [], 0
         while True:
             try:
@@ -234,8 +246,8 @@ class StateSharing(DecentralizedAverager):
             except StopAsyncIteration:
                 break
             received += len(message.tensor_part.buffer) + len(message.metadata)
-            if received > expected.max_bytes:
-                raise MalformedStateError(f"the donor sent more than the {expected.max_bytes} bytes a state can hold")
+            if received > max_bytes:
+                raise MalformedStateError(f"the donor sent more than the {max_bytes} bytes a state can hold")
             if message.metadata:
                 if metadata is not None:
                     raise MalformedStateError("the donor sent its metadata twice")
@@ -248,9 +260,77 @@ class StateSharing(DecentralizedAverager):
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         if metadata is None:
             raise ValueError("the donor sent no state")
-        if len(tensors) < 2 * len(expected.param_shapes):
-            raise ValueError(f"the stream ended after {len(tensors)} of {2 * len(expected.param_shapes)} tensors")
+        if len(tensors) < 2 * num_params:
+            raise ValueError(f"the stream ended after {len(tensors)} of {2 * num_params} tensors")
         return metadata, tensors
+
+    # ----- states pushed by unreachable peers to the run's keeper --------------------------------------
+    def push_state(self, keeper: str, timeout: float) -> Optional[str]:
+        """Send this peer's state to the run's keeper `keeper` (base58), which cannot dial this peer to
+        download it (main process). None once the keeper took it, else why not."""
+        outcome = self._call("_push_state", wait_s=timeout + 5.0, keeper=keeper, timeout=timeout)
+        return "no answer from the averager" if outcome is None else outcome or None
+
+    async def _push_state(self, future: MPFuture, keeper: str, timeout: float) -> None:
+        try:
+            metadata, tensors, _ = await self._get_current_state_from_host_process()
+            stub = self.get_stub(self._p2p, PeerID.from_base58(keeper), namespace=self.prefix)
+            reply = await asyncio.wait_for(stub.rpc_take_state(as_aiter(*state_messages(metadata, tensors,
+                                                                                          self.state_compression))),
+                                           timeout)
+            future.set_result("" if reply.code == averaging_pb2.ACCEPTED else
+                              f"the keeper answered {averaging_pb2.MessageCode.Name(reply.code)}")
+        except Exception as e:
+            future.set_result(f"the push failed: {e!r}")
+
+    async def rpc_take_state(self, stream: AsyncIterator[averaging_pb2.DownloadData], context: P2PContext
+                             ) -> averaging_pb2.AveragingData:
+        """As the run's keeper: keep the state a peer pushed (its form checked: the state's size, tensors of
+        this averager's shapes, the sha256 it announces) until :meth:`take_pushed_state` asks for it."""
+        refused = averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+        if not self.takes_pushed_states or self.screen.refuses(context.remote_id, "a pushed state"):
+            return refused
+        shapes = tuple(tuple(t.shape) for t in self._averaged_tensors)
+        expected = StateExpectation(shapes, outer_step=-1, sha256="")
+        chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+        try:
+            metadata, tensors = await self._read_state(stream, chunk_timeout, expected.max_bytes, len(shapes))
+        except Exception as e:
+            warn_once(context.remote_id.to_base58(), "a pushed state", repr(e))
+            return refused
+        problem = state_problem(metadata, tensors, expected)
+        if problem is None or problem.kind != OTHER_STATE:  # sound, of another step than "-1": as it must be
+            warn_once(context.remote_id.to_base58(), "a pushed state", str(problem))
+            return refused
+        self._pushed = (context.remote_id.to_base58(), metadata, tensors)
+        return averaging_pb2.AveragingData(code=averaging_pb2.ACCEPTED)
+
+    def take_pushed_state(self, expected: StateExpectation, timeout: float = 5.0) -> Optional[GlobalState]:
+        """The state last pushed to this keeper, if it is the one `expected` names (main process)."""
+        taken = self._call("_take_pushed_state", wait_s=timeout, expected=expected)
+        if not taken:
+            return None
+        donor, metadata, tensors = taken
+        return GlobalState(metadata["outer_step"], metadata["sha256"], metadata["inner_steps"], list(tensors), donor)
+
+    async def _take_pushed_state(self, future: MPFuture, expected: StateExpectation) -> None:
+        pushed = self._pushed
+        if pushed is not None and state_problem(pushed[1], pushed[2], expected) is None:
+            self._pushed = None
+            future.set_result(pushed)
+        else:
+            future.set_result(None)
+
+
+def state_messages(metadata: bytes, tensors: Sequence[torch.Tensor], compression) -> list[averaging_pb2.DownloadData]:
+    """A state's stream as hivemind's ``rpc_download_state`` writes it: each tensor compressed and split for
+    streaming, the serialized metadata in the first message."""
+    messages = []
+    for index, tensor in enumerate(tensors):
+        info = CompressionInfo.from_tensor(tensor, key=index)
+        for part in split_for_streaming(compression.compress(tensor, info, allow_inplace=False)):
+            messages.append(averaging_pb2.DownloadData(tensor_part=part, metadata=metadata if not messages else b""))
+    return messages
 
 
 def download_global_state(

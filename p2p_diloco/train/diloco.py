@@ -36,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -49,6 +50,7 @@ from p2p_diloco.metrics import MetricsWriter
 from p2p_diloco.schedule import FragmentSchedule
 from p2p_diloco.swarm.liveness import answering
 from p2p_diloco.swarm.node import RunNode
+from p2p_diloco.swarm.reachability import DIRECT
 from p2p_diloco.swarm.progress import (
     KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RoundPlan, SwarmProgress, plan_round,
 )
@@ -59,10 +61,6 @@ from p2p_diloco.sync.robust import aggregation_rule
 from p2p_diloco.sync.state_store import StateStore, StoreError, StoreWriter
 from p2p_diloco.sync.state_transfer import GlobalState, StateExpectation, download_global_state, nobody_serves
 from p2p_diloco.train.catch_up import POLL_S, CatchUpWait, behind_alone
-
-KEEP_POLL_S = 2.0  # how often the keeper reads the run's records
-HANDOVER_S = 3 * KEEP_POLL_S  # how long a leaving peer waits for a keeper that lacks its state
-HANDOVER_POLL_S = 0.5
 from p2p_diloco.train.checkpoint import check_checkpoint_settings, load_checkpoint, save_checkpoint
 from p2p_diloco.train.data import DataError, checkpointed_stream_state, order_seed
 from p2p_diloco.train.error_feedback import ErrorFeedback
@@ -80,6 +78,10 @@ from p2p_diloco.train.update_check import ROUND_REJECTED, update_rejection
 from p2p_diloco.train.utilization import ComputeClock, RecentRate
 
 logger = logging.getLogger(__name__)
+
+KEEP_POLL_S = 2.0  # how often the keeper reads the run's records
+HANDOVER_S = 3 * KEEP_POLL_S  # how long a leaving peer waits for a keeper that lacks its state
+HANDOVER_POLL_S = 0.5
 
 ROUND_CHECK_PERIOD_S = 1.0  # how often the inner loop looks whether the swarm is ready to average
 EXCLUDED_AFTER_ROUNDS = 3  # rounds in a row without an outer step after which a peer says it is excluded
@@ -175,7 +177,7 @@ class DiLoCoPeer:
         # the run's checkpoint store, if it has one (StoreError before anything starts if fsspec cannot open it):
         # written every checkpoint_every outer steps, read when no peer serves the run's state (sync/state_store.py)
         self.store = StateStore(cfg.swarm.checkpoint_store, cfg.run.name, fingerprint) if cfg.swarm.checkpoint_store else None
-        self.store_writer = StoreWriter(self.store, cfg.swarm.checkpoint_every) \
+        self.store_writer = StoreWriter(self.store, cfg.swarm.checkpoint_every, self._stored) \
             if self.store and cfg.swarm.checkpoint_every else None
         self.catch_up = CatchUpWait(cfg.run.name, cfg.swarm.state_wait_timeout)
         status = StatusPublisher(node.dht, cfg.run.name, node.identity.record_subkey, cfg.swarm.progress_ttl,
@@ -190,7 +192,9 @@ class DiLoCoPeer:
                               [p.shape for p in self.local_params], cfg.swarm, state_provider=self._serve_state,
                               client_mode=not node.reachability.can_reduce, codec=cfg.outer.codec,
                               fragments=self.schedule.fragments, record_sent=error_feedback,
-                              aggregation=aggregation_rule(cfg.outer))
+                              aggregation=aggregation_rule(cfg.outer), takes_pushed_states=keeper)
+        self._push_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="state-push")
+        self._push: Optional[concurrent.futures.Future] = None
         self.round_sync = RoundSync(self.progress, self.sync, self.peer_id, node.reachability.mode,
                                     cfg.swarm.round_wait_timeout, self.stop_event, cfg.swarm.round_attempts)
 
@@ -472,6 +476,7 @@ class DiLoCoPeer:
         self._save_checkpoint()
         if self.store_writer is not None:
             self.store_writer.after_step(step, self.sha256, self.inner.steps_done, self._state_snapshot)
+        self._push_to_keeper(first_only=True)
 
     # ----- catching up ----------------------------------------------------------------------------
     def _trusted_plan(self, plan: RoundPlan, records: dict[str, PeerProgress]) -> Optional[RoundPlan]:
@@ -546,8 +551,10 @@ class DiLoCoPeer:
         self.sync.share_state(False)  # nobody should copy a state we are replacing
         expected = StateExpectation(tuple(tuple(p.shape) for p in self.local_params), plan.target_step,
                                     plan.target_sha256)
+        # a keeper first takes the state if an unreachable peer pushed it: nobody can download from those
+        pushed = self.sync.averager.take_pushed_state(expected) if self.keeper else None
         try:
-            state, failed_donors = download_global_state(
+            state, failed_donors = (pushed, {}) if pushed is not None else download_global_state(
                 self.sync.averager, expected, self.distrusted_donors, self.cfg.swarm.state_download_timeout,
                 should_stop=self._stopping,
             )
@@ -578,7 +585,7 @@ class DiLoCoPeer:
     def _adopt(self, tensors: list[torch.Tensor], outer_step: int, inner_steps: int, reason: str, source: str,
                **details) -> None:
         """Replace this peer's state with a checked one (θ_global and momentum at `outer_step`) that came from
-        `source` ("peer" or "store"); θ_local and its unsynced inner steps go with the old state."""
+        `source` ("peer", "keeper" or "store"); θ_local and its unsynced inner steps go with the old state."""
         contribution = self.local.contribution  # its unsynced inner steps are dropped with θ_local
         samples_dropped = max(contribution.samples(f) for f in range(len(self.schedule.fragments)))
         with self._state_lock:
@@ -628,6 +635,10 @@ class DiLoCoPeer:
         return True
 
     # ----- checkpoints ----------------------------------------------------------------------------
+    def _stored(self, outer_step: int) -> None:
+        """The state of `outer_step` is in the run's checkpoint store: the status record says so."""
+        self.view.status.update(stored_step=outer_step)
+
     def _state_snapshot(self) -> list[torch.Tensor]:
         """A copy of θ_global and the outer momentum, taken under the state's lock."""
         with self._state_lock:
@@ -675,6 +686,30 @@ class DiLoCoPeer:
             self.data_shard, self._saved_data_state = None, None
         return True
 
+    def _push_to_keeper(self, first_only: bool) -> None:
+        """An unreachable peer pushes its state to a keeper of the run that is behind it: the keeper cannot
+        dial it to download the state, and in a run whose peers are all unreachable nobody else serves it.
+        Only the first (by peer ID) of the unreachable peers at this step and state pushes (`first_only`),
+        in a thread of its own; a leaving peer pushes whatever its rank."""
+        if self.reachability.can_reduce or self.keeper or (self._push is not None and not self._push.done()):
+            return
+        step, sha = self.global_model.outer_step, self.sha256
+        records = self.progress.fetch()
+        keepers = sorted(pid for pid, r in records.items()
+                         if r.phase == KEEPING and r.outer_step < step and r.reachability == DIRECT)
+        holders = sorted(pid for pid, r in records.items()
+                         if r.outer_step == step and r.sha256 == sha and r.phase != KEEPING)
+        if not keepers or (first_only and holders and holders[0] != self.peer_id):
+            return
+
+        def push() -> None:
+            for keeper in keepers:
+                problem = self.sync.averager.push_state(keeper, self.cfg.swarm.state_download_timeout)
+                logger.info("pushed outer step %d to the run's keeper %s%s", step, keeper[-8:],
+                            f": {problem}" if problem else "")
+
+        self._push = self._push_thread.submit(push)
+
     def _hand_over_to_keeper(self) -> None:
         """Before this peer leaves, a keeper of the run that is behind its state gets up to
         :data:`HANDOVER_S` to download it: the last peers of a run may leave right after a step, before the
@@ -682,15 +717,17 @@ class DiLoCoPeer:
         if self.keeper:
             return
         step, deadline = self.global_model.outer_step, time.monotonic() + HANDOVER_S
-        while True:
+        self._push_to_keeper(first_only=False)  # an unreachable peer: the keeper cannot download from it
+        for poll in itertools.count():
             keepers = [r for r in self.progress.fetch().values() if r.phase == KEEPING and r.peer_id != self.peer_id]
             if not keepers or any(r.outer_step >= step for r in keepers):
                 return
             if time.monotonic() >= deadline:
                 logger.warning("leaving before the run's keeper has this peer's outer step %d", step)
                 return
-            logger.info("leaving once the run's keeper has this peer's outer step %d (at most %.0f s)", step,
-                        deadline - time.monotonic())
+            if not poll:
+                logger.info("leaving once the run's keeper has this peer's outer step %d (at most %.0f s)", step,
+                            HANDOVER_S)
             time.sleep(HANDOVER_POLL_S)
 
     def _leave(self) -> None:
@@ -710,6 +747,7 @@ class DiLoCoPeer:
         if self.store_writer is not None:
             self.store_writer.close(timeout=self.cfg.swarm.state_download_timeout)
         self._sync_thread.shutdown(wait=True)
+        self._push_thread.shutdown(wait=True)  # each push is bounded by state_download_timeout
         self.sync.shutdown()
 
 
