@@ -187,3 +187,29 @@ def test_an_update_never_waits_for_a_store_and_a_last_word_stays_last():
         assert len(dht.stored) == stored and dht.stored[-1] == {"n": 3}
     finally:
         records.close()
+
+
+def test_a_status_record_as_a_peer_publishes_it_passes_every_nodes_schema_check():
+    """hivemind's SchemaValidator (on every DHT node of the run) refuses a record that parsing would change, a
+    field filled in with its default included: a status record without ``stored_step`` was refused everywhere."""
+    import time
+
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.schema import SchemaValidator
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer, get_dht_time
+
+    from p2p_diloco.swarm.records import RunRecords
+    from p2p_diloco.swarm.status import first_status
+
+    validator = SchemaValidator(RunRecords, allow_extra_keys=True, prefix="run")
+    value = dict(first_status("a" * 64, {}, "direct", "cpu"), uptime_s=1.0, time=time.time())
+
+    def record(value: dict) -> DHTRecord:
+        return DHTRecord(key=DHTID.generate(source="run_status").to_bytes(),
+                         subkey=MSGPackSerializer.dumps(b"[owner:key]"), value=MSGPackSerializer.dumps(value),
+                         expiration_time=get_dht_time() + 10)
+
+    assert validator.validate(record(value))
+    assert validator.validate(record(dict(value, stored_step=3, phase="keeping")))
+    assert not validator.validate(record({k: v for k, v in value.items() if k != "stored_step"}))

@@ -15,6 +15,10 @@ trusted the donor:
   announced, and that it is the state asked for. A bad state is logged with the donor's peer ID and
   the next donor is tried in the same attempt;
 * a donor that may send more bytes than the state can hold is cut off;
+* a peer that nobody can dial serves no state, so it may push its state to the run's keeper instead
+  (:meth:`StateSharing.push_state`, over a connection it opens itself): the keeper keeps the last state
+  pushed, checked for form only, and takes it (:meth:`StateSharing.take_pushed_state`) only when it is
+  the state its own plan asks for, through the same checks as a download;
 * the caller learns who served the state and which donors failed and why (:class:`DonorFailure`):
   a donor that served a malformed state is skipped for the rest of the run, and donors that served
   a sound state other than the one asked for are evidence that nobody serves the state the swarm's
