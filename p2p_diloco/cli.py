@@ -140,7 +140,10 @@ def peer(config_path, **options):
     averages as a client, dialing every connection itself, and says so in one line with the flags
     that would make it reachable (docs/network.md). It exits with status 4 when the run's peers
     train with other settings (it names the ones that differ): it could never average with them
-    (--ignore-other-settings trains anyway).
+    (--ignore-other-settings trains anyway). It exits with status 5 when the run is ahead of it and
+    no peer, keeper or checkpoint store (swarm.checkpoint_store) serves the run's state within
+    swarm.state_wait_timeout: it never trains from outer step 0 under the name of a run that has a
+    history.
 
     On a terminal, a progress bar shows the inner steps toward the next sync; otherwise a log line
     every 30 s does.
