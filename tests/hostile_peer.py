@@ -238,27 +238,36 @@ def patch_equivocating_reducer(spec: str) -> None:
     ExactAllReduceRunner._accumulate_parts_streaming = _accumulate_parts_streaming
 
 
+def numel_of(codec, nbytes: int) -> int:
+    """The smallest part size that `codec` encodes to `nbytes` bytes (encoded sizes grow with the size)."""
+    low, high = 1, 16 * nbytes + 16  # no codec takes less than half a byte a value
+    while low < high:
+        middle = (low + high) // 2
+        if codec.encoded_size(middle) < nbytes:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
 def patch_tampering_relay(spec: str) -> None:
     """As a relay (p2p_diloco.sync.relay): the averaged parts it forwards back to a sender, times 3."""
     from hivemind.proto import averaging_pb2, runtime_pb2
-    from hivemind.utils.asyncio import achain, anext, as_aiter
 
-    from p2p_diloco.sync.exact_allreduce import ExactAllReduceRunner, relayed_sender
+    from p2p_diloco.sync.exact_allreduce import ExactAllReduceRunner
 
     honest_relay = ExactAllReduceRunner.rpc_relay_part
 
     async def rpc_relay_part(self, stream, context):
-        first = await anext(stream)
-        reducer = relayed_sender(first, None)
-        parts = self.tensor_part_container._input_parts_by_peer[self.ordered_peer_ids.index(reducer)]
-        part_index = 0
-        async for message in honest_relay(self, achain(as_aiter(first), stream), context):
+        async for message in honest_relay(self, stream, context):
             if message.code == averaging_pb2.AVERAGED_PART:
-                averaged = self.codec.decode(message.tensor_part.buffer, parts[part_index][0].numel())
+                # this peer's own list of the reducer's parts is consumed as it sends its own: the part's size
+                # comes from its bytes (the smallest that encodes to as many; any other size is tampering too)
+                numel = numel_of(self.codec, len(message.tensor_part.buffer))
+                averaged = self.codec.decode(message.tensor_part.buffer, numel)
                 message = averaging_pb2.AveragingData(
                     code=averaging_pb2.AVERAGED_PART,
                     tensor_part=runtime_pb2.Tensor(buffer=self.codec.encode(3 * averaged), dtype="float32"))
-                part_index += 1
                 say_once_per_round(self, spec)
             yield message
 
