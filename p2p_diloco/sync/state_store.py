@@ -34,8 +34,7 @@ from typing import Callable, Optional, Sequence
 import fsspec
 import torch
 
-from p2p_diloco.hashing import tensors_sha256
-from p2p_diloco.remote_input import tensor_problem
+from p2p_diloco.sync.state_transfer import StateExpectation, state_problem
 
 logger = logging.getLogger(__name__)
 
@@ -139,19 +138,16 @@ class StateStore:
             return None, f"its file holds {len(data)} bytes, the manifest says {manifest['bytes']} (a write cut short)"
         try:
             saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            metadata = {key: saved[key] for key in ("outer_step", "sha256", "inner_steps")}
             tensors = saved["tensors"]
-            inner_steps = int(saved["inner_steps"])
         except Exception as e:
             return None, f"its file does not load ({e!r})"
-        shapes = [tuple(s) for s in param_shapes]
-        if not isinstance(tensors, list) or len(tensors) != 2 * len(shapes):
-            return None, f"{len(tensors) if isinstance(tensors, list) else 'no'} tensors where {2 * len(shapes)} were expected"
-        for index, (tensor, shape) in enumerate(zip(tensors, shapes + shapes)):
-            problem = tensor_problem(tensor, shape, f"tensor {index}")
-            if problem is not None:
-                return None, problem
-        if tensors_sha256(tensors) != manifest["sha256"]:
-            return None, "its tensors do not hash to the manifest's sha256"
+        # the checks of a downloaded state: count, dtype, shape, finiteness, its hash, the manifest's step and hash
+        expected = StateExpectation(tuple(tuple(s) for s in param_shapes), manifest["outer_step"], manifest["sha256"])
+        problem = state_problem(metadata, tensors if isinstance(tensors, list) else [], expected)
+        if problem is not None:
+            return None, problem.detail
+        inner_steps = metadata["inner_steps"]
         return StoredState(manifest["outer_step"], manifest["sha256"], inner_steps, tensors,
                            f"{self.url}/{manifest['file']}"), ""
 
