@@ -115,6 +115,9 @@ def _training_options(fn):
                      help="GiB of device memory this peer may use (on a GPU, also a cap on torch's allocator); "
                           "0: on a GPU, what is free at start-up; on a CPU, no limit (overrides "
                           "compute.max_memory_gib)."),
+        click.option("--shard/--no-shard", default=None,
+                     help="Under torchrun: shard the model over the ranks with FSDP2, for a model larger than one "
+                          "device; else each rank holds the whole model (DDP) (overrides compute.shard)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -147,6 +150,14 @@ def peer(config_path, **options):
 
     On a terminal, a progress bar shows the inner steps toward the next sync; otherwise a log line
     every 30 s does.
+
+    \b
+    One peer on several GPUs or machines (an island: docs/design.md):
+      torchrun --nproc-per-node 8 $(which p2p-diloco) peer --config run.toml
+    Rank 0 is the peer in the swarm; each rank trains on its own part of the peer's data, data-parallel
+    (DDP), or sharded with --shard (FSDP2). If any rank fails, the peer leaves the swarm and torchrun
+    stops every rank; restarted, it resumes from its checkpoint. A failed collective between ranks
+    exits with status 6.
     """
     from p2p_diloco.node_runner import run_peer
 

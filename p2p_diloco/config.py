@@ -215,6 +215,10 @@ class ComputeConfig:
     # GiB of device memory the peer may use (on a GPU, also the cap of torch's caching allocator);
     # 0: on a GPU, what it has free at start-up; on a CPU, no limit (and no fitting)
     max_memory_gib: float = non_negative(0.0)
+    # a peer of several ranks (torchrun --nproc-per-node N p2p-diloco peer ...; p2p_diloco.train.island):
+    # shard the model, its gradients and AdamW's state over the ranks with FSDP2, for a model larger than one
+    # device; false: each rank holds the whole model (DDP). A single-process peer ignores it
+    shard: bool = boolean(False)
 
 
 @dataclass(frozen=True)

@@ -16,26 +16,28 @@ logger = logging.getLogger("p2p_diloco")
 EXIT_OK, EXIT_USAGE, EXIT_UNREACHABLE = 0, 2, 3
 EXIT_OTHER_SETTINGS = 4  # the run's peers train with other settings: this peer can never average with them
 EXIT_NO_STATE = 5  # the run is ahead and nothing served its state: training would fork it (train/catch_up.py)
+EXIT_ISLAND_BROKEN = 6  # a rank of this peer's island failed (train/island.py)
 
 
-def setup_logging(verbose: bool) -> None:
+def setup_logging(verbose: bool, prefix: str = "") -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     if not verbose:  # hivemind's own INFO lines are noise for a user; its warnings still show
         logging.getLogger("hivemind").setLevel(logging.WARNING)
 
 
-def install_stop_handlers() -> threading.Event:
-    """SIGINT and SIGTERM set the returned event; a second signal exits at once."""
+def install_stop_handlers(why: str = "") -> threading.Event:
+    """SIGINT and SIGTERM set the returned event, logging `why` a signal may have come; a second signal
+    exits at once."""
     stop = threading.Event()
 
     def handle(signum, _frame):
         if stop.is_set():
             os._exit(128 + signum)
-        logger.info("received %s: leaving the swarm", signal.Signals(signum).name)
+        logger.info("received %s: leaving the swarm%s", signal.Signals(signum).name, why)
         stop.set()
 
     signal.signal(signal.SIGINT, handle)
@@ -180,7 +182,7 @@ def _pick_device(name: str):
     return device
 
 
-def _prepare_compute(model, cfg, device) -> int:
+def _prepare_compute(model, cfg, device, shards: int = 1) -> int:
     """Gradient checkpointing and compile as ``[compute]`` asks, the micro-batch that fits this peer's
     memory (p2p_diloco.train.memory), and on CUDA the allocator capped at ``--max-memory``, said in one log
     line; returns that micro-batch size."""
@@ -189,16 +191,16 @@ def _prepare_compute(model, cfg, device) -> int:
 
     prepare_for_compute(model, cfg.compute)
     bf16 = autocast_dtype(cfg.compute.precision, device) is not None
-    fit = choose_micro_batch(model, cfg, device, bf16)
+    fit = choose_micro_batch(model, cfg, device, bf16, shards)
     cap = cap_allocator(device, cfg.compute.max_memory_gib)
     logger.info("%s, %s; %s%s", fit.describe_split(), describe_compute(cfg.inner, cfg.compute, device),
                 fit.describe_memory(), f"; allocator capped at {format_bytes(cap)}" if cap else "")
     return fit.micro_batch_size
 
 
-def _prepare_training(cfg, peer_id: str, device):
+def _prepare_training(cfg, peer_id: str, device, shards: int = 1):
     """The model, the run settings every peer must share, this peer's data (opened when it joins), and the
-    micro-batch size it computes with.
+    micro-batch size it computes with (on one rank of `shards` that share the model's state, in an island).
 
     Raises DataError or ConfigError (one line for the user) before the peer joins the swarm.
     """
@@ -210,7 +212,7 @@ def _prepare_training(cfg, peer_id: str, device):
     data = TextData(cfg.data)
     model = build_run_model(cfg, data.tokenizer).to(device)
     model_fragments(model, cfg.outer)  # a hub model with fewer blocks than outer.fragments stops here
-    micro_batch_size = _prepare_compute(model, cfg, device)
+    micro_batch_size = _prepare_compute(model, cfg, device, shards)
     peer_data = data.for_peer(cfg.inner.batch_size, order_seed(cfg.run.seed, peer_id))
     if data.train is not None:  # in memory: a corpus too small for one batch is found now, before joining
         peer_data.open(0, None)
@@ -251,6 +253,7 @@ class PeerOptions:
     gradient_checkpointing: Optional[bool] = None
     micro_batch_size: Optional[int] = None
     max_memory_gib: Optional[float] = None
+    shard: Optional[bool] = None
 
 
 def with_compute_options(cfg, options: PeerOptions):
@@ -272,44 +275,111 @@ def _initial_peers(cfg, options: PeerOptions, config_path) -> list[str]:
 
 
 def run_peer(config_path, options: PeerOptions) -> int:
+    """The `peer` command; under torchrun, each rank of an island peer (p2p_diloco.train.island)."""
+    from p2p_diloco.train.island import island_size
+
+    if island_size() > 1:
+        return _run_island_rank(config_path, options)
     setup_logging(options.verbose)
-    from p2p_diloco.config import ConfigError, load_config
-    from p2p_diloco.process_tree import children_exit_with_this_process
-    from p2p_diloco.swarm.node import NodeAddressError
-
     try:
-        cfg = load_config(config_path)
-        if options.checkpoint_dir:
-            cfg = cfg.replace(swarm={"checkpoint_dir": str(options.checkpoint_dir)})
-        cfg = with_compute_options(cfg, options)
-        initial_peers = _initial_peers(cfg, options, config_path)
+        cfg, initial_peers = _peer_config(config_path, options)
         device = _pick_device(options.device)
-    except (ConfigError, NodeAddressError, ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError) as e:  # ConfigError and NodeAddressError are ValueErrors
         return fail(str(e), EXIT_USAGE)
+    return _run_peer(cfg, initial_peers, device, options, None)
 
-    from p2p_diloco.config import check_member, settings_fingerprint
+
+def _peer_config(config_path, options: PeerOptions):
+    """The run config with the command's overrides, and the initial peers; ValueError (one line) if bad."""
+    from p2p_diloco.config import load_config
+
+    cfg = load_config(config_path)
+    if options.checkpoint_dir:
+        cfg = cfg.replace(swarm={"checkpoint_dir": str(options.checkpoint_dir)})
+    cfg = with_compute_options(cfg, options)
+    return cfg, _initial_peers(cfg, options, config_path)
+
+
+def _run_island_rank(config_path, options: PeerOptions) -> int:
+    """One rank of a peer under torchrun: rank 0 is the peer (:func:`_run_peer`), and always tells the others
+    to stop when it does; the others follow it (:func:`_follow`)."""
+    import os
+
+    from p2p_diloco.train.island import Island
+
+    rank = int(os.environ["RANK"])
+    setup_logging(options.verbose, prefix=f"[rank {rank}] ")
+    try:
+        cfg, initial_peers = _peer_config(config_path, options)
+        island = Island(options.device, cfg.compute.shard)
+    except ValueError as e:  # every rank finds the same error
+        return fail(str(e), EXIT_USAGE)
+    logger.info("island peer: %s", island.describe())
+    try:
+        if not island.is_lead:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 leaves the swarm, then tells this rank to stop
+            return _follow(cfg, island)
+        return _run_peer(cfg, initial_peers, island.device, options, island)
+    finally:
+        island.close()
+
+
+def _follow(cfg, island) -> int:
+    """A rank other than 0: build what rank 0 builds, with rank 0's peer ID, then do as it says."""
+    from p2p_diloco.train.inner import InnerTrainer
+    from p2p_diloco.train.island import follow
+
+    command = island.receive()
+    if command[0] == "stop":  # rank 0 stopped before it had an identity
+        return EXIT_OK
+    _, peer_id = command
+    model, _, peer_data, micro_batch_size = _prepare_training(cfg, peer_id, island.device, _shards(island))
+    forward_model = island.prepare_model(model)
+    trainer = InnerTrainer(model, cfg.inner, iter(()), cfg.compute, micro_batch_size, island, forward_model)
+    reason = follow(island, model, trainer, peer_data)
+    logger.info("stopping: %s", reason)
+    skip_final_garbage_collection()
+    return EXIT_OK
+
+
+def _shards(island) -> int:
+    """How many ranks share the model's state (the memory fit counts per rank): all when sharded."""
+    return island.world_size if island is not None and island.shard else 1
+
+
+def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
+    """A peer, alone or as rank 0 of `island`, from its config to its exit status."""
+    from p2p_diloco.config import ConfigError, check_member, settings_fingerprint
     from p2p_diloco.metrics import MetricsWriter
+    from p2p_diloco.process_tree import children_exit_with_this_process
     from p2p_diloco.swarm.identity import Identity, IdentityError
-    from p2p_diloco.swarm.node import peer_ids_of, start_run_node
+    from p2p_diloco.swarm.node import NodeAddressError, peer_ids_of, start_run_node
     from p2p_diloco.train.data import DataError
     from p2p_diloco.train.checkpoint import check_checkpoint_settings
     from p2p_diloco.sync.state_store import StoreError
     from p2p_diloco.train.catch_up import NoStateSource
     from p2p_diloco.train.diloco import DiLoCoPeer, RunSettingsMismatch
     from p2p_diloco.train.display import InnerProgress
+    from p2p_diloco.train.island import IslandBroken, IslandLead
     from p2p_diloco.train.memory import MemoryFitError
 
-    metrics = None  # closed on every path from here on (a TensorBoard writer runs a thread)
+    metrics, lead = None, None  # closed on every path from here on (a TensorBoard writer runs a thread)
     try:
         identity = Identity.load_or_create(options.identity_path)
         check_member(cfg, identity.peer_id)  # a private run that does not list it would refuse all it does
         metrics = MetricsWriter(options.metrics_file, identity.peer_id, tensorboard_dir=options.tensorboard)
-        model, settings, peer_data, micro_batch_size = _prepare_training(cfg, identity.peer_id, device)
+        if island is not None:
+            island.send("hello", identity.peer_id)  # the other ranks read the data in this peer's order
+        model, settings, peer_data, micro_batch_size = _prepare_training(cfg, identity.peer_id, device,
+                                                                         _shards(island))
+        if island is not None:
+            lead = IslandLead(island, model, island.prepare_model(model))
         if cfg.swarm.checkpoint_dir:  # before its export assets are rewritten for this config
             check_checkpoint_settings(cfg.swarm.checkpoint_dir, settings_fingerprint(settings))
     except (IdentityError, DataError, ConfigError, ValueError) as e:
         if metrics is not None:
             metrics.close()
+        _stop_island(island, lead, str(e))
         return fail(str(e), EXIT_USAGE)
     if cfg.swarm.checkpoint_dir:
         _save_export_assets(cfg, model.config, peer_data.data.tokenizer, settings_fingerprint(settings))
@@ -319,6 +389,7 @@ def run_peer(config_path, options: PeerOptions) -> int:
                               cfg.run.allowed_peers)
     except (NodeAddressError, ConnectionError) as e:
         metrics.close()
+        _stop_island(island, lead, str(e))
         return fail(str(e), EXIT_USAGE if isinstance(e, NodeAddressError) else EXIT_UNREACHABLE)
     dht = node.dht
     error: Optional[tuple[str, int]] = None
@@ -329,11 +400,12 @@ def run_peer(config_path, options: PeerOptions) -> int:
         logger.info("run %r, settings fingerprint %s", cfg.run.name, settings_fingerprint(settings)[:16])
         metrics.write("reachability", reachability=node.reachability.mode, detail=node.reachability.detail,
                       reduces=node.reachability.can_reduce, summary=summary)
+        why = " (under torchrun: one of this island's ranks stopped, or torchrun was stopped)" if island else ""
         try:
             # the run's bootstrap nodes are its keepers: their word on the run's state counts like a groupmate's
-            trainer = DiLoCoPeer(cfg, model, peer_data, node, settings, metrics, stop_event=install_stop_handlers(),
+            trainer = DiLoCoPeer(cfg, model, peer_data, node, settings, metrics, stop_event=install_stop_handlers(why),
                                  display=InnerProgress(), micro_batch_size=micro_batch_size,
-                                 trusted_peers=peer_ids_of(initial_peers))
+                                 trusted_peers=peer_ids_of(initial_peers), island=lead)
         except StoreError as e:  # a checkpoint store URL that fsspec cannot open
             trainer, error = None, (str(e), EXIT_USAGE)
         try:
@@ -345,12 +417,26 @@ def run_peer(config_path, options: PeerOptions) -> int:
             error = (str(e), EXIT_NO_STATE)
         except (DataError, MemoryFitError) as e:  # out of memory at one sequence per pass; any other OOM: a traceback
             error = (str(e), EXIT_USAGE)
+        except IslandBroken as e:
+            error = (str(e), EXIT_ISLAND_BROKEN)
     finally:
+        _stop_island(island, lead, error[0] if error else "the peer stopped")
         shutdown_dht(dht)
         metrics.close()
     logger.info("peer stopped")
     skip_final_garbage_collection()
     return fail(*error) if error else EXIT_OK  # the error is the last line the user sees
+
+
+def _stop_island(island, lead, reason: str) -> None:
+    """Rank 0 tells its island's other ranks to stop (they wait for its next command)."""
+    import contextlib
+
+    if lead is not None:
+        lead.stop(reason)
+    elif island is not None:
+        with contextlib.suppress(Exception):  # a rank that died already
+            island.send("stop", reason)
 
 
 def run_join(manifest: str, state_dir: Optional[str], options: PeerOptions) -> int:

@@ -18,7 +18,7 @@ from p2p_diloco.node_runner import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, fail, 
 
 logger = logging.getLogger(__name__)
 
-COLUMNS = ("peer", "step", "phase", "inner steps", "samples/s", "loss", "reach", "answers", "device", "version",
+COLUMNS = ("peer", "step", "phase", "inner steps", "samples/s", "loss", "reach", "answers", "device", "ranks", "version",
            "uptime", "shard", "settings")
 
 
@@ -68,7 +68,8 @@ def format_run(run: str, rows: list[dict]) -> str:
         r["peer_id"][-8:], str(r["outer_step"]), r["phase"], str(r["inner_steps"]), f"{r['samples_per_s']:.1f}",
         "-" if r["loss"] is None else f"{r['loss']:.3f}",
         "direct" if r["reachability"] == "direct" else "NAT",
-        {True: "yes", False: "NO", None: "-"}[r["answers"]], r["device"], r["version"], _duration(r["uptime_s"]),
+        {True: "yes", False: "NO", None: "-"}[r["answers"]], r["device"], str(r.get("ranks", 1)), r["version"],
+        _duration(r["uptime_s"]),
         "-" if r["data_shard"] is None else str(r["data_shard"]),
         r["fingerprint"][:8] + ("" if r["fingerprint"] == main else " (other)"),
     ] for r in rows]

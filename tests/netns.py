@@ -53,6 +53,17 @@ def unavailable() -> Optional[str]:
     return None
 
 
+def required_marks(tests: str) -> list:
+    """The pytest marks of a module of `tests` that need namespaces: a skip where they cannot be made; on CI
+    (.ci/run sets P2P_DILOCO_REQUIRE_NETNS) RuntimeError instead, since CI must run them."""
+    import pytest
+
+    why_not = unavailable()
+    if why_not and os.environ.get("P2P_DILOCO_REQUIRE_NETNS"):
+        raise RuntimeError(f"{tests} need network namespaces: {why_not}")
+    return [pytest.mark.skip(reason=f"{tests} need network namespaces: {why_not}")] if why_not else []
+
+
 @dataclass(frozen=True)
 class Host:
     name: str
@@ -102,6 +113,11 @@ class Topology:
         ip, link = f"{PUBLIC_NET}.{index}", f"p{self.tag}{index}"
         self._on_bridge(namespace, "eth0", ip, link)
         return Host(name, namespace, ip, link)
+
+    def add_loopback(self, name: str) -> Host:
+        """A namespace with nothing but its own loopback, 127.0.0.1: for programs that listen on every
+        interface (torchrun's rendezvous store), which there reach no other network."""
+        return Host(name, self._namespace(f"l{name[:4]}"), "127.0.0.1", "lo")
 
     def add_home(self, name: str) -> Host:
         """A host behind its own NAT router: it can dial out, nobody can dial in."""

@@ -565,3 +565,19 @@ def test_a_hub_model_embeds_every_id_a_hub_tokenizer_emits(tmp_path, offline, to
     assert str(err.value).startswith(f"config: tokenizer {cfg.data.tokenizer!r} emits token ids up to "
                                      f"{data.vocab_size - 1}, but model {str(model_dir)!r} embeds only 260 tokens")
 
+
+
+def test_the_ranks_of_an_island_read_disjoint_parts_of_its_stream_and_resume_together():
+    from p2p_diloco.train.data import ShuffledBatches
+    from p2p_diloco.train.island import RankSlice
+
+    def stream(position=0):
+        return ShuffledBatches(torch.arange(40).reshape(20, 2), 2, order_seed=7, position=position)
+
+    whole = [next(stream(p)).tolist() for p in range(6)]
+    ranks = [RankSlice(stream(), rank, 3) for rank in range(3)]
+    taken = [[next(r).tolist() for r in ranks] for _ in range(2)]  # two inner steps, in lockstep
+    assert [batch for step in taken for batch in step] == whole  # every batch read once, by one rank
+    assert {r.position for r in ranks} == {6} and ranks[1].state_dict() == stream(6).state_dict()
+    resumed = RankSlice(stream(ranks[1].state_dict()["position"]), 1, 3)
+    assert next(resumed).tolist() == next(stream(7)).tolist()

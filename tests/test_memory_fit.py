@@ -74,6 +74,14 @@ def test_checkpointing_and_8bit_adamw_lower_the_estimate_and_bf16_changes_the_la
         layer_activation_bytes(shape, cfg.data.seq_len, True) - layer_activation_bytes(shape, cfg.data.seq_len, False))
 
 
+def test_sharded_over_ranks_each_holds_its_share_of_the_state_and_one_layer_whole(llama_150m):
+    cfg, shape = llama_150m
+    whole = step_memory(shape, cfg.data.seq_len, "adamw", True, False)
+    sharded = step_memory(shape, cfg.data.seq_len, "adamw", True, False, shards=8)
+    assert sharded.fixed_bytes == whole.fixed_bytes // 8 + 8 * shape.parameters // shape.layers
+    assert sharded.per_sequence_bytes == whole.per_sequence_bytes  # each rank computes its own sequences
+
+
 def test_the_150m_llama_estimate_is_in_a_sane_range(llama_150m):
     cfg, shape = llama_150m
     assert 130e6 < shape.parameters == shape.trainable_parameters < 140e6

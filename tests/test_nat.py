@@ -6,7 +6,6 @@ connection from outside that the home did not open. Assertions read the metrics 
 took part in the outer steps, with one global state per step, and no peer took a step alone.
 """
 
-import os
 
 import pytest
 
@@ -17,14 +16,7 @@ from tests.swarm_helpers import (
     wait_for_steps, wait_until,
 )
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
-
-WHY_NOT = netns.unavailable()
-if WHY_NOT and os.environ.get("P2P_DILOCO_REQUIRE_NETNS"):  # .ci/run sets it: CI must run these tests
-    raise RuntimeError(f"NAT tests need network namespaces: {WHY_NOT}")
-if WHY_NOT:
-    pytestmark.append(pytest.mark.skip(reason=f"NAT tests need network namespaces: {WHY_NOT}"))
-
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420), *netns.required_marks("NAT tests")]
 
 
 @pytest.fixture

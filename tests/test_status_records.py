@@ -124,6 +124,14 @@ def test_the_status_table_shows_each_peer_and_other_settings():
     assert "A1234567" in table and "(other)" in table and "NAT" in table
 
 
+def test_the_status_table_shows_the_ranks_of_an_island_peer():
+    rows = run_rows({"QmIsland1234567": peer("QmIsland1234567", ranks=8), "QmSingle7654321": peer("QmSingle7654321")},
+                    answering=set())
+    header, *lines = format_run("test", rows).splitlines()[1:]
+    column = header.index("ranks")
+    assert {line.split()[0]: line[column:].split()[0] for line in lines} == {"d1234567": "8", "e7654321": "1"}
+
+
 class FakeDHT:
     """What a RecordPublisher calls: store, which can be made to block like a slow network."""
 

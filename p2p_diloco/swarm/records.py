@@ -72,6 +72,9 @@ ShortText = pydantic.constr(strict=True, max_length=64)
 NonNegative = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
 
 
+MAX_RANKS = 65536  # of one island peer (torchrun's ranks)
+
+
 class StatusValue(StrictModel):
     """A peer's status record, for people and joiners (see :mod:`p2p_diloco.swarm.status`); every field bounded."""
 
@@ -89,6 +92,7 @@ class StatusValue(StrictModel):
     settings: Dict[SettingName, SettingValue]  # p2p_diloco.config.shared_settings, hashing to the fingerprint
     time: FiniteFloat
     stored_step: Optional[OuterStep] = None  # the newest outer step it wrote to the run's checkpoint store
+    ranks: pydantic.conint(strict=True, ge=1, le=MAX_RANKS) = 1  # the processes of an island peer (train/island.py)
 
     @pydantic.validator("settings")
     def _bounded(cls, settings):

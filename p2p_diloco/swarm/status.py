@@ -115,7 +115,8 @@ def choose_shard(statuses: dict[str, PeerStatus], peer_id: str, num_shards: int,
     return free[choosing.index(peer_id) % len(free)]
 
 
-def first_status(fingerprint: str, settings: dict[str, Any], reachability: str, device: str) -> dict[str, Any]:
+def first_status(fingerprint: str, settings: dict[str, Any], reachability: str, device: str,
+                 ranks: int = 1) -> dict[str, Any]:
     """A peer's first status record, less its time. Every field of :class:`StatusValue` is in it, defaults
     too: hivemind's schema check on every DHT node refuses a record that parsing would change, and a
     field filled in with its default is such a change (a missing ``stored_step`` made every status record
@@ -124,7 +125,7 @@ def first_status(fingerprint: str, settings: dict[str, Any], reachability: str, 
 
     return dict(outer_step=0, phase=STARTING, inner_steps=0, samples_per_s=0.0, loss=None, reachability=reachability,
                 version=__version__, device=device[:64], uptime_s=0.0, data_shard=None, fingerprint=fingerprint,
-                settings=settings, stored_step=None)
+                settings=settings, stored_step=None, ranks=ranks)
 
 
 class StatusPublisher:
@@ -141,11 +142,11 @@ class StatusPublisher:
     REFRESH_S = 10.0
 
     def __init__(self, dht: DHT, run_name: str, record_subkey: bytes, ttl: float, *, fingerprint: str,
-                 settings: dict[str, Any], reachability: str, device: str):
+                 settings: dict[str, Any], reachability: str, device: str, ranks: int = 1):
         self.started = time.monotonic()
         self.fingerprint = fingerprint
         # replaced by each new value, never changed in place: the refresh thread may be storing it
-        self._fields: dict[str, Any] = first_status(fingerprint, settings, reachability, device)
+        self._fields: dict[str, Any] = first_status(fingerprint, settings, reachability, device, ranks)
         StatusValue.parse_obj(self._value())  # a bug in the fields that never change shows at start-up
         self._warned = False
         self._status = RecordPublisher(dht, status_key(run_name), record_subkey, ttl, "status", self.REFRESH_S)

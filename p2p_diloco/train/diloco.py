@@ -66,8 +66,8 @@ from p2p_diloco.train.data import DataError, checkpointed_stream_state, order_se
 from p2p_diloco.train.error_feedback import ErrorFeedback
 from p2p_diloco.train.fragments import model_fragments
 from p2p_diloco.train.inner import InnerTrainer
+from p2p_diloco.train.island import IslandLead, SoloIsland
 from p2p_diloco.train.local_work import LocalWork
-from p2p_diloco.train.model import trainable_parameters
 from p2p_diloco.train.outer import GlobalModel
 from p2p_diloco.train.peer_view import PeerView
 from p2p_diloco.train.round_sync import ROUND_STOPPED, RoundSync, SyncOutcome
@@ -138,18 +138,21 @@ class DiLoCoPeer:
         micro_batch_size: Optional[int] = None,
         keeper: bool = False,
         trusted_peers: Sequence[str] = (),
+        island: Optional[IslandLead] = None,
     ):
         self.cfg = cfg
         # the run's keeper (:meth:`keep`) follows the run's state and serves it, and never trains
         self.keeper = keeper
         self.idle_phase = KEEPING if keeper else TRAINING
         self.model = model
-        self.local_params = trainable_parameters(model)
+        # a peer of several ranks (train/island.py) is rank 0 of its island; a single process, an island of one
+        self.island = island or SoloIsland(model)
+        self.local_params = self.island.params
         self.data = data
         self.data_shard: Optional[int] = None  # chosen when the peer joins (from its checkpoint, or free)
         self._saved_data_state: Optional[dict] = None  # the stream's state in a restored checkpoint
         self.inner = InnerTrainer(model, cfg.inner, iter(()), cfg.compute,  # batches from _open_data
-                                  micro_batch_size)
+                                  micro_batch_size, self.island.island, self.island.forward_model)
         self.global_model = GlobalModel(self.local_params, cfg.outer)
         self.schedule = FragmentSchedule(model_fragments(model, cfg.outer), cfg.inner.steps_per_outer,
                                          cfg.outer.sync_delay)
@@ -182,7 +185,7 @@ class DiLoCoPeer:
         self.catch_up = CatchUpWait(cfg.run.name, cfg.swarm.state_wait_timeout)
         status = StatusPublisher(node.dht, cfg.run.name, node.identity.record_subkey, cfg.swarm.progress_ttl,
                                  fingerprint=fingerprint, settings=settings, reachability=node.reachability.mode,
-                                 device=describe_device(self.inner.device))
+                                 device=describe_device(self.inner.device), ranks=self.island.world_size)
         self.view = PeerView(status, display, tokens_per_sample=cfg.data.seq_len, keeper=keeper)
         self.progress = SwarmProgress(node.dht, cfg.run.name, cfg.swarm.progress_ttl, node.identity.record_subkey,
                                       fingerprint, node.reachability.mode,
@@ -317,14 +320,16 @@ class DiLoCoPeer:
         """This peer's data stream: where its checkpoint left it, or a shard that no live peer reads."""
         if self.data_shard is None:
             self.data_shard = choose_shard(statuses, self.peer_id, self.data.num_shards, self.fingerprint)
+        state = self._saved_data_state
         try:
-            stream = self.data.open(self.data_shard, self._saved_data_state)
+            stream = self.data.open(self.data_shard, state)
         except DataError as e:
-            if self._saved_data_state is None:
+            if state is None:
                 raise
             logger.warning("cannot resume the data stream of the checkpoint (%s): reading shard %d from its start",
                            e, self.data_shard)
-            stream = self.data.open(self.data_shard, None)
+            state, stream = None, self.data.open(self.data_shard, None)
+        stream = self.island.open_stream(stream, self.data_shard, state)  # an island's ranks each read their part
         self.inner.batches = stream
         self.stream = stream
         if self.data.num_shards > 1:
@@ -346,6 +351,7 @@ class DiLoCoPeer:
         self.progress.publish(step, self.sha256, READY, samples)
         self.view.syncing()
         indices = self.schedule.fragments[fragment]
+        self.island.pull()
         to_send = self.local.to_send(indices, self.global_model.pseudo_gradient(self.local_params, indices))
         outcome, steps_while_syncing = self._sync(
             functools.partial(self.round_sync, step, fragment, to_send, samples, self.sha256))
@@ -400,7 +406,8 @@ class DiLoCoPeer:
         for done in range(count):
             if self._stopping():
                 return done
-            with self.clock.inner_step():
+            with self.clock.inner_step(), self.island.guard():
+                self.island.before_step()
                 loss, n = self.inner.step()
                 faults.after_inner_step()
             self.local.contribution.add(loss, n)
@@ -443,9 +450,11 @@ class DiLoCoPeer:
         self.groupmates.update(peer for peer in result.tokens if peer != self.peer_id)
         indices = self.schedule.fragments[fragment]
         self.local.sent(indices, to_send, result.sent)
+        self.island.pull()  # the inner steps run while the sync was in flight
         with self._state_lock:
             self.global_model.apply(result.mean, indices)
             self.global_model.merge_into(self.local_params, indices, self.cfg.outer.merge_alpha)
+            self.island.changed(self.inner.steps_done, indices)
             self.last_group_size = result.group_size
             self._after_state_change()
         step = self.global_model.outer_step
@@ -592,6 +601,7 @@ class DiLoCoPeer:
             self.global_model.load_state_tensors(tensors, outer_step)
             self.local.replace_with(self.global_model, self.schedule.fragments)
             self.inner.fast_forward_schedule(inner_steps)
+            self.island.changed(self.inner.steps_done)
             self.rounds_not_applied = 0
             self._after_state_change()
         self.progress.publish(self.global_model.outer_step, self.sha256, self.idle_phase)
@@ -647,6 +657,7 @@ class DiLoCoPeer:
     def _save_checkpoint(self) -> None:
         if not self.checkpoint_dir:
             return
+        self.island.pull()
         with self._state_lock:
             state = dict(
                 outer_step=self.global_model.outer_step,
@@ -656,7 +667,7 @@ class DiLoCoPeer:
                 data_shard=self.data_shard,
                 data_state=self.stream.state_dict() if self.stream is not None else None,
                 global_state=[t.clone() for t in self.global_model.state_tensors()],
-                inner_optimizer=self.inner.optimizer.state_dict(),
+                inner_optimizer=self.island.optimizer_state(self.inner.optimizer),
                 # θ_local, its unsynced samples, the steps run ahead and the residual, taken with the data
                 # position above: a restart neither skips a batch it read nor counts one twice
                 local=self.local.state_dict(),
@@ -676,8 +687,8 @@ class DiLoCoPeer:
                 self.local.load_state_dict(state["local"])
             else:  # a checkpoint of an earlier version kept no θ_local: its data position is a round ahead
                 self.local.replace_with(self.global_model, self.schedule.fragments)
-            self.inner.optimizer.load_state_dict(state["inner_optimizer"])
             self.inner.fast_forward_schedule(state["inner_steps"])
+            self.island.load_optimizer(self.inner.optimizer, state["inner_optimizer"], self.inner.steps_done)
         self.data_shard = state.get("data_shard")
         self._saved_data_state = checkpointed_stream_state(state, order_seed(self.cfg.run.seed, self.peer_id))
         if self.data_shard is not None and not 0 <= self.data_shard < self.data.num_shards:
@@ -752,7 +763,8 @@ class DiLoCoPeer:
 
 
 def describe_device(device: torch.device) -> str:
-    """``"cpu"``, or ``"cuda:0 NVIDIA H100 80GB HBM3"``: what a status table shows of a peer's device."""
+    """``"cpu"``, or ``"cuda:0 NVIDIA H100 80GB HBM3"``: what a status table shows of a peer's device (of an
+    island's rank 0)."""
     if device.type == "cuda":
         return f"{device} {torch.cuda.get_device_name(device)}"
     return str(device)

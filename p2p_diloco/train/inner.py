@@ -126,11 +126,17 @@ class InnerTrainer:
     batch size; default: ``compute.micro_batch_size``, else the whole batch), whose gradients add up to
     the gradient of the mean loss over every sequence of the step. A micro-batch that runs out of CUDA
     memory halves the micro-batch and redoes the step on the same batches (:meth:`step`).
+
+    In an island (`island`, :class:`~p2p_diloco.train.island.Island`) the forward passes go through
+    `forward_model`, the model as DDP wraps it or FSDP2 shards it.
     """
 
     def __init__(self, model: PreTrainedModel, cfg: InnerConfig, batches: Iterator[torch.Tensor],
-                 compute: ComputeConfig | None = None, micro_batch_size: int | None = None):
+                 compute: ComputeConfig | None = None, micro_batch_size: int | None = None,
+                 island=None, forward_model: Optional[torch.nn.Module] = None):
         self.model = model
+        self.island = island
+        self.forward_model = forward_model or model
         self.cfg = cfg
         self.compute = compute or ComputeConfig()
         self.micro_batch_size = micro_batch_size or self.compute.micro_batch_size or cfg.batch_size
@@ -154,7 +160,7 @@ class InnerTrainer:
         """The loss of one micro-batch times `weight`, its gradient added to the parameters' (this is where
         CUDA runs out of memory). Returns the weighted loss, detached: no sync with the device."""
         with self._autocast():
-            loss = self.model(input_ids=micro_batch, labels=micro_batch).loss * weight
+            loss = self.forward_model(input_ids=micro_batch, labels=micro_batch).loss * weight
         loss.backward()
         return loss.detach()
 
@@ -166,10 +172,17 @@ class InnerTrainer:
         """
         samples = sum(len(batch) for batch in batches)
         total = torch.zeros((), device=self.device)
-        for batch in batches:
-            for micro_batch in batch.split(self.micro_batch_size):
+        micro_batches = [micro_batch for batch in batches for micro_batch in batch.split(self.micro_batch_size)]
+        for i, micro_batch in enumerate(micro_batches):
+            with self._accumulating(last=i == len(micro_batches) - 1):
                 total += self.forward_backward(micro_batch, len(micro_batch) / samples)
         return total
+
+    def _accumulating(self, last: bool):
+        """In an island, the ranks average their gradients in the step's last backward pass only."""
+        if self.island is None:
+            return contextlib.nullcontext()
+        return self.island.accumulating(self.forward_model, last)
 
     def _halve_micro_batch(self) -> None:
         """After an out-of-memory error in a forward/backward pass: the next divisor of the batch size <= half
@@ -190,7 +203,8 @@ class InnerTrainer:
                        self.cfg.batch_size // self.micro_batch_size, self.cfg.batch_size)
 
     def step(self) -> tuple[float, int]:
-        """One optimizer step over `grad_accumulation` batches; returns (mean loss, samples).
+        """One optimizer step over `grad_accumulation` batches; returns (mean loss, samples), over every
+        rank in an island.
 
         The batches are taken from the stream first, so a step redone after running out of memory
         uses the same ones and the stream advances once.
@@ -210,7 +224,11 @@ class InnerTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        return loss.item(), sum(len(batch) for batch in batches)
+        samples = sum(len(batch) for batch in batches)
+        if self.island is not None:
+            self.island.check_replicas(self.params, self.steps_done)
+            return self.island.sum_over_ranks(loss, samples)
+        return loss.item(), samples
 
     def run(self, num_steps: int) -> InnerPhaseResult:
         losses, samples = [], 0

@@ -163,15 +163,20 @@ def activation_bytes_per_sequence(shape: ModelShape, seq_len: int, bf16: bool, g
     return layers + logits
 
 
-def state_bytes(shape: ModelShape, optimizer: str, bf16: bool) -> int:
-    """fp32 weights and gradients, the optimizer's state, and autocast's 16-bit weight copies."""
+def state_bytes(shape: ModelShape, optimizer: str, bf16: bool, shards: int = 1) -> int:
+    """fp32 weights and gradients, the optimizer's state, and autocast's 16-bit weight copies, on one rank of
+    `shards` that shard them (FSDP2 in an island peer, p2p_diloco.train.island), which also holds one decoder
+    layer's weights and gradients whole while it computes that layer."""
     per_trainable = 4 + OPTIMIZER_STATE_BYTES_PER_PARAM[optimizer] + (2 if bf16 else 0)
-    return 4 * shape.parameters + per_trainable * shape.trainable_parameters
+    whole = 4 * shape.parameters + per_trainable * shape.trainable_parameters
+    if shards == 1:
+        return whole
+    return whole // shards + 8 * shape.parameters // max(shape.layers, 1)
 
 
 def step_memory(shape: ModelShape, seq_len: int, optimizer: str, bf16: bool,
-                gradient_checkpointing: bool) -> StepMemory:
-    return StepMemory(state_bytes(shape, optimizer, bf16),
+                gradient_checkpointing: bool, shards: int = 1) -> StepMemory:
+    return StepMemory(state_bytes(shape, optimizer, bf16, shards),
                       activation_bytes_per_sequence(shape, seq_len, bf16, gradient_checkpointing),
                       shape, seq_len, optimizer, gradient_checkpointing)
 
@@ -277,14 +282,17 @@ def fit_micro_batch(memory: StepMemory, batch_size: int, budget: MemoryBudget) -
     return MemoryFit(micro, batch_size // micro, memory.bytes_at(micro), budget.total_bytes)
 
 
-def choose_micro_batch(model: torch.nn.Module, cfg: Config, device: torch.device, bf16: bool) -> MemoryFit:
+def choose_micro_batch(model: torch.nn.Module, cfg: Config, device: torch.device, bf16: bool,
+                       shards: int = 1) -> MemoryFit:
     """The micro-batch a peer trains with (under bf16 autocast if `bf16`): ``compute.micro_batch_size`` when
     set, else the largest that fits its memory budget (:func:`memory_budget`), else (no budget, or a model
-    whose sizes are unknown) the whole batch."""
+    whose sizes are unknown) the whole batch. Counted per rank: in an island whose `shards` ranks shard
+    the model, each holds that share of its state."""
     compute, batch_size = cfg.compute, cfg.inner.batch_size
     shape = ModelShape.of(model, cfg.model.name)
     budget = memory_budget(device, compute.max_memory_gib)
-    memory = shape and step_memory(shape, cfg.data.seq_len, cfg.inner.optimizer, bf16, compute.gradient_checkpointing)
+    memory = shape and step_memory(shape, cfg.data.seq_len, cfg.inner.optimizer, bf16, compute.gradient_checkpointing,
+                                   shards)
     if compute.micro_batch_size or memory is None or budget is None:
         micro = compute.micro_batch_size or batch_size
         return MemoryFit(micro, batch_size // micro, memory and memory.bytes_at(micro),
