@@ -6,7 +6,6 @@ connection from outside that the home did not open. Assertions read the metrics 
 took part in the outer steps, with one global state per step, and no peer took a step alone.
 """
 
-
 import pytest
 
 from p2p_diloco.metrics import read_metrics

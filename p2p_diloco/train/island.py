@@ -321,7 +321,8 @@ class IslandLead:
         self._pending_optimizer = (optimizer, state)
         self.changed(inner_steps)
 
-    def _flush(self) -> None:
+    def push(self) -> None:
+        """Send θ_local's changed parameters (and a loaded optimizer state) to the other ranks now."""
         if self._pending_steps is None:
             return
         indices = sorted(self._pending_indices)
@@ -334,7 +335,7 @@ class IslandLead:
 
     def before_step(self) -> None:
         with self.guard():
-            self._flush()
+            self.push()
             self.island.send("step")
 
     def pull(self) -> None:
@@ -348,7 +349,7 @@ class IslandLead:
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The inner optimizer's whole state, for rank 0's checkpoint."""
         with self.guard():
-            self._flush()
+            self.push()
             if self.island.shard:
                 self.island.send("optimizer")
             return self.island.optimizer_state(self.model, optimizer)
