@@ -86,6 +86,8 @@ def worker(args) -> None:
             lead.push()
             synced()
             push_s.append(time.perf_counter() - t)
+            step()  # the shards moved on: the next pull gathers them
+            synced()
             t = time.perf_counter()
             lead.pull()
             gather_s.append(time.perf_counter() - t)

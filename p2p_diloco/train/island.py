@@ -290,6 +290,7 @@ class IslandLead:
         self._pending_steps: Optional[int] = None  # the lr schedule's position to push, with θ_local
         self._pending_indices: set[int] = set()  # the parameters of θ_local to push
         self._pending_optimizer: Optional[tuple[torch.optim.Optimizer, dict]] = None
+        self._stale = island.shard  # sharded: the shards took inner steps since rank 0's copy was gathered
         if island.shard:  # rank 0's whole θ_local, filled from the shards now
             self.params = [torch.empty(p.shape, dtype=torch.float32) for p in self._model_params]
             self.pull()
@@ -337,14 +338,17 @@ class IslandLead:
         with self.guard():
             self.push()
             self.island.send("step")
+            self._stale = self.island.shard
 
     def pull(self) -> None:
-        """θ_local from the shards into :attr:`params`, before rank 0 reads it (sharded only; and only when
-        rank 0's copy is not itself newer than the shards)."""
-        if self.island.shard and self._pending_steps is None:
+        """θ_local from the shards into :attr:`params`, before rank 0 reads it: sharded, and only when the
+        shards took inner steps since the last gather (rank 0's copy is newer than the shards only before a
+        push, and no step runs before one)."""
+        if self._stale:
             with self.guard():
                 self.island.send("gather")
                 self.island.gather_params(self._model_params, self.params)
+            self._stale = False
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The inner optimizer's whole state, for rank 0's checkpoint."""
