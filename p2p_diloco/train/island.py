@@ -148,8 +148,9 @@ class Island:
             return model
         from torch.nn.parallel import DistributedDataParallel
 
+        # the models' buffers (rotary frequencies, masks) never change: no broadcast of them before each forward
         return DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None,
-                                       gradient_as_bucket_view=True)
+                                       gradient_as_bucket_view=True, broadcast_buffers=False)
 
     def accumulating(self, forward_model: torch.nn.Module, last: bool):
         """The context of one micro-batch's backward pass: gradients are averaged over the ranks only in
