@@ -183,6 +183,10 @@ def join(manifest, state_dir, **options):
       p2p-diloco bootstrap --host 127.0.0.1 --port 31337 --identity-path bootstrap/demo-bootstrap.key
       p2p-diloco join demo --host 127.0.0.1
       p2p-diloco join demo --host 127.0.0.1 --state-dir /tmp/second-peer
+
+    \b
+    One peer on all the GPUs of a machine (see `peer --help`):
+      torchrun --nproc-per-node 8 $(which p2p-diloco) join MANIFEST
     """
     from p2p_diloco.node_runner import run_join
 

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 logger = logging.getLogger("p2p_diloco")
@@ -442,18 +443,22 @@ def _stop_island(island, lead, reason: str) -> None:
 def run_join(manifest: str, state_dir: Optional[str], options: PeerOptions) -> int:
     """`peer` on a run manifest, with this peer's identity, checkpoint and metrics in its state directory."""
     from p2p_diloco.config import ConfigError, load_config
-    from p2p_diloco.manifest import ManifestError, default_state_dir, find_manifest, lock_state_dir
+    from p2p_diloco.manifest import ManifestError, StateDir, default_state_dir, find_manifest, lock_state_dir
+    from p2p_diloco.train.island import island_rank
 
     try:
         path = find_manifest(manifest)
         cfg = load_config(path)
         if not cfg.swarm.initial_peers and not options.initial_peers:
             raise ManifestError(f"{path} names no bootstrap node (swarm.initial_peers): pass --initial-peers")
-        state = lock_state_dir(state_dir or default_state_dir(cfg.run.name))
+        state_path = state_dir or default_state_dir(cfg.run.name)
+        # the peer of an island is its rank 0 (p2p_diloco.train.island): the other ranks use none of its state
+        state = lock_state_dir(state_path) if island_rank() == 0 else StateDir(Path(state_path), None)
     except (ConfigError, ManifestError) as e:
         setup_logging(options.verbose)
         return fail(str(e), EXIT_USAGE)
-    print(f"joining run {cfg.run.name!r} from {path}; this peer's state is in {state.path}", flush=True)
+    if island_rank() == 0:
+        print(f"joining run {cfg.run.name!r} from {path}; this peer's state is in {state.path}", flush=True)
     options = dataclasses.replace(
         options,
         identity_path=options.identity_path or str(state.identity_path),

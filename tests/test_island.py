@@ -1,4 +1,4 @@
-"""An island peer: one peer of two ranks under torchrun (gloo on the CPU) trains with a single-process peer.
+"""An island peer: one peer of two ranks (`torchrun … join`, gloo on the CPU) trains with a single-process peer.
 
 Everything runs in a network namespace of its own with only a loopback (tests/netns.py): torchrun's
 rendezvous store listens on every interface, which there reaches nothing else. One swarm serves the
@@ -41,12 +41,13 @@ def host(processes):
 
 
 def start_island(processes, name, config, maddr, host, *extra) -> "os.PathLike":
-    """`torchrun --nproc-per-node 2 -m p2p_diloco.cli peer …` in `host`'s namespace; returns its metrics file."""
+    """`torchrun --nproc-per-node 2 -m p2p_diloco.cli join RUN --state-dir …` in `host`'s namespace, the same
+    state directory each time (identity, checkpoint); returns its metrics file."""
     metrics = processes.log_dir / f"{name}.jsonl"
-    processes.start(name, "--standalone", "--nproc-per-node", "2", "-m", "p2p_diloco.cli", "peer",
-                    "--config", str(config), "--host", host.ip, "--initial-peers", maddr, "--metrics-file",
-                    str(metrics), *extra, module="torch.distributed.run", netns=host.namespace,
-                    env={"P2P_DILOCO_CHECK_ISLAND": "1"})
+    processes.start(name, "--standalone", "--nproc-per-node", "2", "-m", "p2p_diloco.cli", "join", str(config),
+                    "--state-dir", str(processes.log_dir / "island-state"), "--host", host.ip, "--initial-peers",
+                    maddr, "--metrics-file", str(metrics), *extra, module="torch.distributed.run",
+                    netns=host.namespace, env={"P2P_DILOCO_CHECK_ISLAND": "1"})
     return metrics
 
 
@@ -90,11 +91,20 @@ def averaged_together(island, other) -> bool:
     return any(r["group_size"] == 2 and theirs.get(r["outer_step"]) == r["global_sha256"] for r in outer_steps(island))
 
 
-def status_rows(topology, host, maddr) -> list[dict]:
-    out = subprocess.run(topology.command(host, [sys.executable, "-m", "p2p_diloco.cli", "status", "--initial-peers",
-                                                 maddr, "--run", "test", "--json"]),
-                         capture_output=True, text=True, timeout=90, check=True).stdout
-    return json.loads(out)["runs"][0]["peers"]
+def status_row(topology, host, maddr, peer_id: str) -> dict:
+    """The peer's row in `p2p-diloco status --json`, asked again until its record is read (a client that has
+    just joined the DHT may not find every record at once)."""
+    rows: dict = {}
+
+    def read() -> bool:
+        out = subprocess.run(topology.command(host, [sys.executable, "-m", "p2p_diloco.cli", "status",
+                                                     "--initial-peers", maddr, "--run", "test", "--json"]),
+                             capture_output=True, text=True, timeout=90, check=True).stdout
+        rows.update((row["peer_id"], row) for row in json.loads(out)["runs"][0]["peers"])
+        return peer_id in rows
+
+    wait_until(read, 120, f"the status record of {peer_id}")
+    return rows[peer_id]
 
 
 def test_an_island_of_two_ranks_trains_with_a_single_peer_fails_as_one_and_resumes(processes, tmp_path, host):
@@ -102,8 +112,7 @@ def test_an_island_of_two_ranks_trains_with_a_single_peer_fails_as_one_and_resum
     config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS)
     maddr = start_bootstrap(processes, host)
     single = start_peer(processes, "single", config, maddr, "--wait-for-peers", "2", host=host)
-    state = ("--checkpoint-dir", str(tmp_path / "island-checkpoint"), "--identity-path", str(tmp_path / "island.key"))
-    island = start_island(processes, "island", config, maddr, host, "--wait-for-peers", "2", *state)
+    island = start_island(processes, "island", config, maddr, host, "--wait-for-peers", "2")
     wait_until(running_until(processes, "island", lambda: last_step(island) >= 3), 240, "3 outer steps of the island")
 
     # one peer of two ranks: one θ_global with the other peer, twice the samples, one θ_local on both ranks
@@ -114,7 +123,7 @@ def test_an_island_of_two_ranks_trains_with_a_single_peer_fails_as_one_and_resum
     log = processes.log("island")
     assert log.count(CHECKED) >= outer_steps(island)[2]["inner_steps"], log[-3000:]
     assert "differs" not in log and "[rank 1]" in log
-    row = next(r for r in status_rows(topology, host, maddr) if r["peer_id"] == peer_id_of(island))
+    row = status_row(topology, host, maddr, peer_id_of(island))
     assert row["ranks"] == 2 and row["device"] == "cpu", row
 
     # SIGKILL of rank 1: the island's rank 0 leaves the swarm, torchrun stops, the other peer goes on
@@ -129,7 +138,7 @@ def test_an_island_of_two_ranks_trains_with_a_single_peer_fails_as_one_and_resum
     assert_consistent([single, island])
 
     # restarted, data-parallel: it resumes from its checkpoint and averages with the other peer again
-    restarted = start_island(processes, "island-restarted", config, maddr, host, *state)
+    restarted = start_island(processes, "island-restarted", config, maddr, host)
     wait_until(running_until(processes, "island-restarted", lambda: averaged_together(restarted, single)), 180,
                "an outer step of the restarted island with the other")
     assert joined(restarted)["from_checkpoint"] and joined(restarted)["outer_step"] == stopped_at, joined(restarted)
@@ -141,7 +150,7 @@ def test_an_island_of_two_ranks_trains_with_a_single_peer_fails_as_one_and_resum
     assert processes.log("island-restarted").count("[rank 0] INFO p2p_diloco: peer stopped") == 1
 
     # restarted sharded (FSDP2) from the same checkpoint: its optimizer state is sharded, its θ_global the same
-    sharded = start_island(processes, "island-sharded", config, maddr, host, *state, "--shard")
+    sharded = start_island(processes, "island-sharded", config, maddr, host, "--shard")
     wait_until(running_until(processes, "island-sharded", lambda: averaged_together(sharded, single)), 180,
                "an outer step of the sharded island with the other")
     assert joined(sharded)["from_checkpoint"], joined(sharded)

@@ -64,6 +64,11 @@ def island_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def island_rank() -> int:
+    """This process's rank in its island: 0 for a peer that torchrun did not start (rank 0 is the peer)."""
+    return int(os.environ.get("RANK", "0")) if island_size() > 1 else 0
+
+
 def island_device(name: str, local_rank: int) -> torch.device:
     """Each rank's device: ``auto`` and ``cuda`` mean this rank's GPU, cuda:LOCAL_RANK (the CPU on a machine
     without CUDA); a numbered GPU would put every rank on one device, so it is refused."""
@@ -148,9 +153,8 @@ class Island:
             return model
         from torch.nn.parallel import DistributedDataParallel
 
-        # the models' buffers (rotary frequencies, masks) never change: no broadcast of them before each forward
         return DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None,
-                                       gradient_as_bucket_view=True, broadcast_buffers=False)
+                                       gradient_as_bucket_view=True)
 
     def accumulating(self, forward_model: torch.nn.Module, last: bool):
         """The context of one micro-batch's backward pass: gradients are averaged over the ranks only in
