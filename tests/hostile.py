@@ -335,10 +335,15 @@ def join_groups_as(run, variants, args, stop: threading.Event) -> None:
             break
         dht, _ = start_dht(args.initial_peers)
         leaders = multiprocessing.Array(ctypes.c_char, 4096)
+        # next_chunk_timeout as the run's peers set it: a group whose honest members dropped this identity (they
+        # ban it on its first malformed input) falls silent, and without it the lane sat in that dead round for
+        # the whole control.result bound below (36 s of the test's 88 in a run), past the identity's time
         averager = SwarmAverager([torch.full_like(p, fill) for p in params], dht, start=False,
                                  prefix=averager_prefix(cfg.run.name, fingerprint), min_group_size=2,
                                  min_matchmaking_time=cfg.swarm.matchmaking_time,
-                                 request_timeout=cfg.swarm.request_timeout)
+                                 request_timeout=cfg.swarm.request_timeout,
+                                 next_chunk_timeout=cfg.swarm.next_chunk_timeout,
+                                 reducer_timeout=2 * cfg.swarm.next_chunk_timeout)
         averager.matchmaking = functools.partial(PlanFollowingMatchmaking, shared_leaders=leaders, screen=GroupScreen())
         averager.start()  # not hivemind's run_in_background, which sets a signal handler: a lane is no main thread
         averager.wait_until_ready()

@@ -126,8 +126,9 @@ def test_malformed_and_poisoned_states_from_a_donor_are_refused(processes, tmp_p
 def test_malformed_group_metadata_or_parts_ban_the_sender(processes, tmp_path):
     maddr, config, metrics = swarm(processes, tmp_path, 3)
     wait_for_steps(metrics, 1)
+    # 4 identities in the swarm at a time (each still for 10 s): the 7 kinds in 2 turns, not 4 of 2 lanes
     hostile = start_hostile(processes, "groupmate", config, maddr, "--seconds-per-identity", "10",
-                            "--lanes", "2")
+                            "--lanes", "4")
     wait_until(lambda: hostile.poll() is not None, 300, "the hostile groupmate to try every kind of input")
     identities = dict(printed(processes, "hostile-groupmate", r"identity (\w+) sends (.+)"))
     assert sorted(identities.values()) == sorted(GROUPMATE_VARIANTS)
