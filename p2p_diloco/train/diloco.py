@@ -687,8 +687,8 @@ class DiLoCoPeer:
                 self.local.load_state_dict(state["local"])
             else:  # a checkpoint of an earlier version kept no θ_local: its data position is a round ahead
                 self.local.replace_with(self.global_model, self.schedule.fragments)
+            self.island.load_optimizer(self.inner.optimizer, state["inner_optimizer"], int(state["inner_steps"]))
             self.inner.fast_forward_schedule(state["inner_steps"])
-            self.island.load_optimizer(self.inner.optimizer, state["inner_optimizer"], self.inner.steps_done)
         self.data_shard = state.get("data_shard")
         self._saved_data_state = checkpointed_stream_state(state, order_seed(self.cfg.run.seed, self.peer_id))
         if self.data_shard is not None and not 0 <= self.data_shard < self.data.num_shards:
