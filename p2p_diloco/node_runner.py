@@ -32,12 +32,16 @@ def setup_logging(verbose: bool, prefix: str = "") -> None:
 
 def install_stop_handlers(why: str = "") -> threading.Event:
     """SIGINT and SIGTERM set the returned event, logging `why` a signal may have come; a second signal
-    exits at once."""
+    exits at once. Signals are counted, not the event: a peer that is already leaving for another reason
+    (an error; the event is set as it leaves) still leaves cleanly on the first signal (torchrun sends it
+    to an island's rank 0 as a dead rank's collective fails there)."""
     stop = threading.Event()
+    received: list[int] = []
 
     def handle(signum, _frame):
-        if stop.is_set():
+        if received:
             os._exit(128 + signum)
+        received.append(signum)
         logger.info("received %s: leaving the swarm%s", signal.Signals(signum).name, why)
         stop.set()
 

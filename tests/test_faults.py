@@ -238,3 +238,27 @@ def test_bootstrap_killed_then_new_peer_joins_through_a_peer(processes, tmp_path
     wait_until(lambda: len(outer_steps(late)) >= 2, 240, "two outer steps of the new peer")
     assert "state_loaded" in [r["event"] for r in read_metrics(late)]
     assert_consistent([*metrics, late])
+
+
+SIGNALLED = """
+import os, signal, sys, time
+from p2p_diloco.node_runner import install_stop_handlers, setup_logging
+setup_logging(False)
+stop = install_stop_handlers()
+stop.set()  # the peer is leaving already, for another reason (an error): the event is set as it leaves
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print("alive after the first signal", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("alive after the second signal", flush=True)
+"""
+
+
+def test_the_first_signal_leaves_cleanly_even_while_leaving_and_the_second_exits_at_once():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SIGNALLED], capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines() == ["alive after the first signal"], (done.stdout, done.stderr)
+    assert done.returncode == 128 + signal.SIGTERM and "received SIGTERM: leaving the swarm" in done.stderr
