@@ -69,10 +69,13 @@ class Hostile:
         return self.attacked_steps(processes) & applied
 
 
-def start_swarm(processes, tmp_path: Path, honest: int, attacks: list[str]) -> tuple[list[Path], list[Hostile]]:
+def start_swarm(processes, tmp_path: Path, honest: int, attacks: list[str],
+                round_wait_s: float = FAST_TIMEOUTS["round_wait_timeout"]) -> tuple[list[Path], list[Hostile]]:
     """A bootstrap node, `honest` honest peers and one hostile peer per attack, all starting together on the
-    tiny config; returns the honest peers' metrics files and the hostile peers."""
-    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 5}, swarm=FAST_TIMEOUTS)
+    tiny config (a ready peer waits `round_wait_s` for the others at its step); returns the honest peers'
+    metrics files and the hostile peers."""
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 5},
+                              swarm={**FAST_TIMEOUTS, "round_wait_timeout": round_wait_s})
     maddr = start_bootstrap(processes)
     together = ("--wait-for-peers", str(honest + len(attacks)))  # the first round holds everybody
     honest_metrics = [start_peer(processes, f"peer{i}", config, maddr, *together) for i in range(honest)]
@@ -137,7 +140,11 @@ def test_a_reducer_that_returns_garbage_or_equivocates_is_caught(processes, tmp_
     """A reducer that returns 100 × the mean plus noise to everyone, and one that returns a different
     value to each sender, in one swarm of 3 honest peers: both must be caught, and the honest peers must
     go on with one sound θ_global."""
-    honest_metrics, hostile = start_swarm(processes, tmp_path, 3, ["garbage-reducer", "equivocating-reducer"])
+    # a ready peer waits 5 s, not 15, for the others at its step: the hostile reducers, once banned, sit
+    # "loading" at every later step (no honest peer serves them its state), and the honest peers, which take
+    # their 5 inner steps of the tiny model in well under a second, waited the whole bound for them each round
+    honest_metrics, hostile = start_swarm(processes, tmp_path, 3, ["garbage-reducer", "equivocating-reducer"],
+                                          round_wait_s=5.0)
     wait_until(lambda: steps_reached(honest_metrics) >= STEPS and all(h.reduced_rounds(processes) for h in hostile),
                REDUCER_STEPS_TIMEOUT_S,
                f"{STEPS} outer steps of the honest peers, after both hostile reducers reduced a round")
