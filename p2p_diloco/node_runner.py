@@ -308,8 +308,6 @@ def _peer_config(config_path, options: PeerOptions):
 def _run_island_rank(config_path, options: PeerOptions) -> int:
     """One rank of a peer under torchrun: rank 0 is the peer (:func:`_run_peer`), and always tells the others
     to stop when it does; the others follow it (:func:`_follow`)."""
-    import os
-
     from p2p_diloco.train.island import Island
 
     rank = int(os.environ["RANK"])
