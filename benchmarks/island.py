@@ -91,7 +91,7 @@ def worker(args) -> None:
             t = time.perf_counter()
             lead.pull()
             gather_s.append(time.perf_counter() - t)
-        lead.stop("benchmark done")
+        island.stop_others("benchmark done")
         island.close()
     parameters = sum(p.numel() for p in model.parameters())
     print("RESULT " + json.dumps(dict(

@@ -366,7 +366,7 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
     from p2p_diloco.train.island import IslandBroken, IslandLead
     from p2p_diloco.train.memory import MemoryFitError
 
-    metrics, lead = None, None  # closed on every path from here on (a TensorBoard writer runs a thread)
+    metrics, lead = None, None  # metrics: closed on every path from here on (a TensorBoard writer runs a thread)
     try:
         identity = Identity.load_or_create(options.identity_path)
         check_member(cfg, identity.peer_id)  # a private run that does not list it would refuse all it does
@@ -382,7 +382,7 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
     except (IdentityError, DataError, ConfigError, ValueError) as e:
         if metrics is not None:
             metrics.close()
-        _stop_island(island, lead, str(e))
+        _stop_island(island, str(e))
         return fail(str(e), EXIT_USAGE)
     if cfg.swarm.checkpoint_dir:
         _save_export_assets(cfg, model.config, peer_data.data.tokenizer, settings_fingerprint(settings))
@@ -392,7 +392,7 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
                               cfg.run.allowed_peers)
     except (NodeAddressError, ConnectionError) as e:
         metrics.close()
-        _stop_island(island, lead, str(e))
+        _stop_island(island, str(e))
         return fail(str(e), EXIT_USAGE if isinstance(e, NodeAddressError) else EXIT_UNREACHABLE)
     dht = node.dht
     error: Optional[tuple[str, int]] = None
@@ -423,7 +423,7 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
         except IslandBroken as e:
             error = (str(e), EXIT_ISLAND_BROKEN)
     finally:
-        _stop_island(island, lead, error[0] if error else "the peer stopped")
+        _stop_island(island, error[0] if error else "the peer stopped")
         shutdown_dht(dht)
         metrics.close()
     logger.info("peer stopped")
@@ -431,15 +431,10 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
     return fail(*error) if error else EXIT_OK  # the error is the last line the user sees
 
 
-def _stop_island(island, lead, reason: str) -> None:
+def _stop_island(island, reason: str) -> None:
     """Rank 0 tells its island's other ranks to stop (they wait for its next command)."""
-    import contextlib
-
-    if lead is not None:
-        lead.stop(reason)
-    elif island is not None:
-        with contextlib.suppress(Exception):  # a rank that died already
-            island.send("stop", reason)
+    if island is not None:
+        island.stop_others(reason)
 
 
 def run_join(manifest: str, state_dir: Optional[str], options: PeerOptions) -> int:

@@ -219,9 +219,8 @@ class Island:
 
     def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Optional[dict]:
         """The inner optimizer's whole state on rank 0 (None elsewhere), keyed as ``optimizer.state_dict()``
-        keys it in one process, so that a checkpoint loads with any number of ranks. A collective."""
-        if not self.shard:
-            return optimizer.state_dict() if self.is_lead else None
+        keys it in one process, so that a checkpoint loads with any number of ranks: torch.distributed.
+        checkpoint's full state dict, gathered from the shards with FSDP2. A collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         state = get_optimizer_state_dict(model, optimizer,
@@ -230,18 +229,18 @@ class Island:
 
     def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              state: Optional[dict]) -> None:
-        """Rank 0's `state` (keyed as :meth:`optimizer_state` returns it) into every rank's optimizer."""
-        if not self.shard:
-            box = [_on_cpu(state) if self.is_lead else None]
-            dist.broadcast_object_list(box, src=0, group=self.control)
-            if not self.is_lead:
-                optimizer.load_state_dict(box[0])
-            return
+        """Rank 0's `state` (keyed as :meth:`optimizer_state` returns it) into every rank's optimizer, its
+        tensors broadcast from rank 0 (each rank keeps its shard with FSDP2). A collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         names = _trainable_names(model)
         set_optimizer_state_dict(model, optimizer, _keyed_by_name(state, names) if self.is_lead else {},
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def stop_others(self, reason: str) -> None:
+        """Rank 0 tells the other ranks to exit; a dead rank's broken connection is ignored."""
+        with contextlib.suppress(Exception):
+            self.send("stop", reason)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -265,18 +264,6 @@ def _keyed_by_name(state: dict, names: list[str]) -> dict:
     return dict(state={names[i]: value for i, value in state["state"].items()},
                 param_groups=[dict(group, params=[names[i] for i in group["params"]])
                               for group in state["param_groups"]])
-
-
-def _on_cpu(state):
-    """A state dict with every tensor on the CPU: pickled to another rank, a CUDA tensor would be loaded
-    onto the sender's GPU."""
-    if isinstance(state, torch.Tensor):
-        return state.cpu()
-    if isinstance(state, dict):
-        return {k: _on_cpu(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_on_cpu(v) for v in state)
-    return state
 
 
 class IslandLead:
@@ -321,9 +308,8 @@ class IslandLead:
         self._pending_indices.update(range(len(self.params)) if indices is None else indices)
 
     def load_optimizer(self, optimizer: torch.optim.Optimizer, state: dict, inner_steps: int) -> None:
-        """A checkpoint's inner optimizer state (keyed as in one process), for every rank before the next step."""
-        if not self.island.shard:
-            optimizer.load_state_dict(state)
+        """A checkpoint's inner optimizer state (keyed as in one process), for every rank (this one included)
+        before the next step or the next read of it."""
         self._pending_optimizer = (optimizer, state)
         self.changed(inner_steps)
 
@@ -359,8 +345,7 @@ class IslandLead:
         """The inner optimizer's whole state, for rank 0's checkpoint."""
         with self.guard():
             self.push()
-            if self.island.shard:
-                self.island.send("optimizer")
+            self.island.send("optimizer")
             return self.island.optimizer_state(self.model, optimizer)
 
     def open_stream(self, stream, shard: Optional[int], state: Optional[dict]):
@@ -369,11 +354,6 @@ class IslandLead:
         with self.guard():
             self.island.send("open", shard, state)
         return RankSlice(stream, 0, self.world_size)
-
-    def stop(self, reason: str) -> None:
-        """Tell the other ranks to exit; a dead rank's broken connection is ignored."""
-        with contextlib.suppress(Exception):
-            self.island.send("stop", reason)
 
 
 class SoloIsland:
@@ -406,9 +386,6 @@ class SoloIsland:
 
     def open_stream(self, stream, shard: Optional[int], state: Optional[dict]):
         return stream
-
-    def stop(self, reason: str) -> None:
-        pass
 
 
 def follow(island: Island, model: torch.nn.Module, trainer, data) -> str:
