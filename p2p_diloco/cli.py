@@ -7,6 +7,7 @@ p2p_diloco.demo.
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import click
 
@@ -55,6 +56,27 @@ def main():
     """
 
 
+def _page_options(host_flag: str, port_flag: str, refresh_flag: str, default_port: Optional[int]):
+    """Where and how often the run's page is served (`status --serve`; `bootstrap --page-port`, off by default)."""
+    port_help = ("TCP port of the run's page (0: any free port, logged)." if default_port is not None else
+                 "Serve the run's page on this TCP port (0: any free port, logged); see `status --serve`.")
+    options = [
+        click.option(host_flag, "page_host", default="127.0.0.1", show_default=True,
+                     help="Address the run's page listens on; another than 127.0.0.1 lets other machines read it "
+                          "(the page is read-only)."),
+        click.option(port_flag, "page_port", default=default_port, show_default=default_port is not None,
+                     type=click.IntRange(0, 65535), help=port_help),
+        click.option(refresh_flag, "refresh_s", default=10.0, show_default=True, type=click.FloatRange(0.5, 3600),
+                     help="Seconds between two reads of the swarm for the run's page."),
+    ]
+
+    def decorate(fn):
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+    return decorate
+
+
 @main.command()
 @_network_options(default_port=31337)
 @click.option("--assist/--no-assist", default=True, show_default=True,
@@ -66,16 +88,23 @@ def main():
               help="Keep the state of this run for it: follow the run step by step, serve its latest agreed "
                    "state to joiners (also when all of its peers are gone), and write it to the run's "
                    "swarm.checkpoint_store every swarm.checkpoint_every outer steps. Holds the model on the CPU.")
-def bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist, assist_max_params, keep):
+@click.option("--keep-eval-sequences", default=32, show_default=True, type=click.IntRange(0),
+              help="With --keep: evaluate each state it loads on this many of the run's held-out sequences, for "
+                   "the run's page (0: never).")
+@_page_options("--page-host", "--page-port", "--page-refresh", default_port=None)
+def bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist, assist_max_params, keep,
+              keep_eval_sequences, page_host, page_port, refresh_s):
     """Host a DHT node that peers use to find each other.
 
     Prints every multiaddr it can be reached at, one per line: give one of them to peers as
-    --initial-peers. Runs until Ctrl+C or SIGTERM, then stops its p2pd daemon too.
+    --initial-peers. Runs until Ctrl+C or SIGTERM, then stops its p2pd daemon too. With --page-port it
+    also serves the page of the runs it sees (see `status --serve`).
     """
-    from p2p_diloco.node_runner import run_bootstrap
+    from p2p_diloco.node_runner import BootstrapOptions, run_bootstrap
 
-    sys.exit(run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist, assist_max_params,
-                           keep))
+    page = None if page_port is None else (page_host, page_port, refresh_s)
+    sys.exit(run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose,
+                           BootstrapOptions(assist, assist_max_params, keep, keep_eval_sequences, page)))
 
 
 def _training_options(fn):
@@ -198,16 +227,28 @@ def join(manifest, state_dir, **options):
               help="Multiaddr of a swarm member (a bootstrap node). Repeat for several.")
 @click.option("--run", "run_name", default=None, help="Only this run (its run.name); default: every run found.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--serve", is_flag=True, help="Serve the run's page over HTTP instead of printing once.")
+@_page_options("--host", "--port", "--refresh", default_port=8080)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def status(initial_peers, run_name, as_json, verbose):
+def status(initial_peers, run_name, as_json, serve, page_host, page_port, refresh_s, verbose):
     """Show the peers of a swarm: outer step, phase, throughput, loss, reachability, device, version.
 
     Reads the status records the peers publish on the DHT (signed; a malformed one is skipped with a
     warning) and asks each peer that others can dial whether it answers now. Starts a DHT client that
     stores nothing and leaves when done.
-    """
-    from p2p_diloco.status_command import run_status
 
+    With --serve it stays, reads the swarm every --refresh seconds and serves the run's page until
+    Ctrl+C: the peers, their contribution, and plots of loss, held-out loss, group size, bytes and
+    utilization over outer steps, at http://127.0.0.1:8080/ (the same as JSON at /api/status).
+
+    \b
+    Example:
+      p2p-diloco status --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/Qm... --serve --port 8080
+    """
+    from p2p_diloco.status_command import run_status, serve_status
+
+    if serve:
+        sys.exit(serve_status(initial_peers, run_name, page_host, page_port, refresh_s, verbose))
     sys.exit(run_status(initial_peers, run_name, as_json, verbose))
 
 

@@ -81,32 +81,52 @@ def print_maddrs(dht, prefix: str = "") -> None:
         print(f"{prefix}{maddr}", flush=True)
 
 
-def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist: bool,
-                  assist_max_params: int, keep: Optional[str] = None) -> int:
+@dataclass(frozen=True)
+class BootstrapOptions:
+    """What a bootstrap node does besides the DHT: reduce for natted runs (`assist`), keep a run's state
+    (`keep`: its config), and serve the runs' page (`page`: host, port, refresh seconds)."""
+
+    assist: bool = True
+    assist_max_params: int = 50_000_000
+    keep: Optional[str] = None
+    keep_eval_sequences: int = 32
+    page: Optional[tuple[str, int, float]] = None
+
+
+def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose,
+                  options: BootstrapOptions = BootstrapOptions()) -> int:
     setup_logging(verbose)
     from p2p_diloco.process_tree import children_exit_with_this_process
     from p2p_diloco.swarm.identity import Identity, IdentityError
     from p2p_diloco.swarm.node import NodeAddressError, start_dht
     from p2p_diloco.swarm.records import node_validators
+    from p2p_diloco.run_page.server import serve_run_page
     from p2p_diloco.sync.assistant import AssistantPool
 
     stop = install_stop_handlers()
     children_exit_with_this_process()
     try:
         identity = Identity.load_or_create(identity_path)
-        keeper = _prepare_keeper(keep, identity.peer_id) if keep else None  # a bad config stops it before the node
+        keeper = _prepare_keeper(options.keep, identity.peer_id, options.keep_eval_sequences) if options.keep \
+            else None  # a bad config stops it before the node
         dht = start_dht(host, port, identity, node_validators(identity), announce_ip, initial_peers)
     except (NodeAddressError, IdentityError, ValueError) as e:  # ConfigError and DataError are ValueErrors
         return fail(str(e), EXIT_USAGE)
     except ConnectionError as e:
         return fail(str(e), EXIT_UNREACHABLE)
-    keeping = None
+    keeping = page = None
     try:
         print_maddrs(dht)
         logger.info("bootstrap node is up; give peers one of the addresses above as --initial-peers")
-        pool = AssistantPool(dht, assist_max_params) if assist else None
+        if options.page is not None:
+            page_host, page_port, refresh_s = options.page
+            try:
+                page = serve_run_page(dht, page_host, page_port, None, refresh_s)
+            except OSError as e:
+                return fail(str(e), EXIT_USAGE)
+        pool = AssistantPool(dht, options.assist_max_params) if options.assist else None
         logger.info("reducing for runs whose peers nobody can dial: %s",
-                    f"yes, up to {assist_max_params:,} parameters" if assist else "no (--no-assist)")
+                    f"yes, up to {options.assist_max_params:,} parameters" if options.assist else "no (--no-assist)")
         if keeper is not None:
             keeping = _start_keeper(keeper, dht, identity, stop)
         stop.wait()
@@ -115,6 +135,8 @@ def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose
         if pool is not None:
             pool.close()
     finally:
+        if page is not None:
+            page.close()
         shutdown_dht(dht)
         logger.info("bootstrap node stopped")
     return EXIT_OK
@@ -123,17 +145,18 @@ def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose
 KEEPER_STOP_S = 60.0  # how long a stopping bootstrap node waits for its keeper to leave the run
 
 
-def _prepare_keeper(config_path: str, peer_id: str):
+def _prepare_keeper(config_path: str, peer_id: str, eval_sequences: int):
     """What the keeper of the run `config_path` describes needs before the node starts: the run config, the
-    model (on the CPU: it holds θ_global and the momentum, and never trains) and the run's settings.
+    model (on the CPU: it holds θ_global and the momentum, and never trains), the run's settings and the
+    first `eval_sequences` held-out sequences it evaluates θ_global on.
     ConfigError or DataError (one line) if they cannot be had."""
     import torch
 
     from p2p_diloco.config import load_config
 
     cfg = load_config(config_path)
-    model, settings, peer_data, _ = _prepare_training(cfg, peer_id, torch.device("cpu"))
-    return cfg, model, settings, peer_data
+    model, settings, peer_data, _, heldout = _prepare_training(cfg, peer_id, torch.device("cpu"))
+    return cfg, model, settings, peer_data, heldout[:eval_sequences]
 
 
 def _start_keeper(prepared, dht, identity, stop) -> threading.Thread:
@@ -144,9 +167,9 @@ def _start_keeper(prepared, dht, identity, stop) -> threading.Thread:
     from p2p_diloco.swarm.reachability import DIRECT, Reachability
     from p2p_diloco.train.diloco import DiLoCoPeer
 
-    cfg, model, settings, peer_data = prepared
+    cfg, model, settings, peer_data, heldout = prepared
     node = RunNode(dht, identity, Reachability(DIRECT, "the bootstrap node: peers dial it"))
-    keeper = DiLoCoPeer(cfg, model, peer_data, node, settings, stop_event=stop, keeper=True)
+    keeper = DiLoCoPeer(cfg, model, peer_data, node, settings, stop_event=stop, keeper=True, heldout=heldout)
     logger.info("keeping the state of run %r (settings fingerprint %s)%s", cfg.run.name,
                 settings_fingerprint(settings)[:16],
                 f", written to {cfg.swarm.checkpoint_store} every {cfg.swarm.checkpoint_every} outer steps"
@@ -204,8 +227,9 @@ def _prepare_compute(model, cfg, device, shards: int = 1) -> int:
 
 
 def _prepare_training(cfg, peer_id: str, device, shards: int = 1):
-    """The model, the run settings every peer must share, this peer's data (opened when it joins), and the
-    micro-batch size it computes with (on one rank of `shards` that share the model's state, in an island).
+    """The model, the run settings every peer must share, this peer's data (opened when it joins), the
+    micro-batch size it computes with (on one rank of `shards` that share the model's state, in an island)
+    and the run's held-out sequences.
 
     Raises DataError or ConfigError (one line for the user) before the peer joins the swarm.
     """
@@ -221,7 +245,7 @@ def _prepare_training(cfg, peer_id: str, device, shards: int = 1):
     peer_data = data.for_peer(cfg.inner.batch_size, order_seed(cfg.run.seed, peer_id))
     if data.train is not None:  # in memory: a corpus too small for one batch is found now, before joining
         peer_data.open(0, None)
-    return model, shared_settings(cfg, tokenizer_sha256(data.tokenizer)), peer_data, micro_batch_size
+    return model, shared_settings(cfg, tokenizer_sha256(data.tokenizer)), peer_data, micro_batch_size, data.heldout
 
 
 def _save_export_assets(cfg, model_config, tokenizer, fingerprint: str) -> None:
@@ -336,7 +360,7 @@ def _follow(cfg, island) -> int:
     if command[0] == "stop":  # rank 0 stopped before it had an identity
         return EXIT_OK
     _, peer_id = command
-    model, _, peer_data, micro_batch_size = _prepare_training(cfg, peer_id, island.device, _shards(island))
+    model, _, peer_data, micro_batch_size, _ = _prepare_training(cfg, peer_id, island.device, _shards(island))
     forward_model = island.prepare_model(model)
     trainer = InnerTrainer(model, cfg.inner, iter(()), cfg.compute, micro_batch_size, island, forward_model)
     reason = follow(island, model, trainer, peer_data)
@@ -373,7 +397,7 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
         metrics = MetricsWriter(options.metrics_file, identity.peer_id, tensorboard_dir=options.tensorboard)
         if island is not None:
             island.send("hello", identity.peer_id)  # the other ranks read the data in this peer's order
-        model, settings, peer_data, micro_batch_size = _prepare_training(cfg, identity.peer_id, device,
+        model, settings, peer_data, micro_batch_size, _ = _prepare_training(cfg, identity.peer_id, device,
                                                                          _shards(island))
         if island is not None:
             lead = IslandLead(island, model, island.prepare_model(model))

@@ -14,7 +14,9 @@ import time
 from collections import Counter
 from typing import Optional, Sequence
 
-from p2p_diloco.node_runner import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, fail, setup_logging, shutdown_dht
+from p2p_diloco.node_runner import (
+    EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, fail, install_stop_handlers, setup_logging, shutdown_dht,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ def find_runs(dht) -> dict[str, int]:
                                                                       "run announcement")))
 
 
-def _duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
     seconds = int(seconds)
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
@@ -45,6 +47,20 @@ def run_rows(statuses: dict, answering: set[str]) -> list[dict]:
         row["answers"] = (peer_id in answering) if status.record.reachability == "direct" else None
         rows.append(row)
     return sorted(rows, key=lambda r: (-r["outer_step"], r["peer_id"]))
+
+
+def peer_cells(r: dict, main: Optional[str]) -> dict[str, str]:
+    """A peer's row (as :func:`run_rows` has it) as the text of each of :data:`COLUMNS`; `main` is the run's
+    most common settings fingerprint."""
+    return dict(zip(COLUMNS, (
+        r["peer_id"][-8:], str(r["outer_step"]), r["phase"], str(r["inner_steps"]), f"{r['samples_per_s']:.1f}",
+        "-" if r["loss"] is None else f"{r['loss']:.3f}",
+        "direct" if r["reachability"] == "direct" else "NAT",
+        {True: "yes", False: "NO", None: "-"}[r["answers"]], r["device"], str(r.get("ranks", 1)), r["version"],
+        format_duration(r["uptime_s"]),
+        "-" if r["data_shard"] is None else str(r["data_shard"]),
+        r["fingerprint"][:8] + ("" if r["fingerprint"] == main else " (other)"),
+    )))
 
 
 def format_run(run: str, rows: list[dict]) -> str:
@@ -64,44 +80,64 @@ def format_run(run: str, rows: list[dict]) -> str:
     if len(fingerprints) > 1:
         header += f" ({sum(fingerprints.values()) - fingerprints[main]} peer(s) on other settings: they never average " \
                   f"with the others)"
-    cells = [[
-        r["peer_id"][-8:], str(r["outer_step"]), r["phase"], str(r["inner_steps"]), f"{r['samples_per_s']:.1f}",
-        "-" if r["loss"] is None else f"{r['loss']:.3f}",
-        "direct" if r["reachability"] == "direct" else "NAT",
-        {True: "yes", False: "NO", None: "-"}[r["answers"]], r["device"], str(r.get("ranks", 1)), r["version"],
-        _duration(r["uptime_s"]),
-        "-" if r["data_shard"] is None else str(r["data_shard"]),
-        r["fingerprint"][:8] + ("" if r["fingerprint"] == main else " (other)"),
-    ] for r in rows]
+    cells = [[peer_cells(r, main)[column] for column in COLUMNS] for r in rows]
     widths = [max(len(c) for c in column) for column in zip(COLUMNS, *cells)]
     lines = [header, "  ".join(h.ljust(w) for h, w in zip(COLUMNS, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
     return "\n".join(line.rstrip() for line in lines)
 
 
-def run_status(initial_peers: Sequence[str], run: Optional[str], as_json: bool, verbose: bool) -> int:
-    setup_logging(verbose)
-    from p2p_diloco.swarm.identity import Identity
+def tokens_per_sample(statuses: dict) -> int:
+    """``data.seq_len`` of the run's most common settings, from a record whose settings match its fingerprint
+    (1 when none does)."""
+    fingerprints = Counter(s.record.fingerprint for s in statuses.values())
+    for fingerprint, _ in fingerprints.most_common(1):
+        for s in statuses.values():
+            if s.record.fingerprint == fingerprint and s.settings_trusted:
+                seq_len = s.record.settings.get("data.seq_len")
+                return seq_len if isinstance(seq_len, int) and seq_len > 0 else 1
+    return 1
+
+
+def read_runs(dht, run: Optional[str] = None, max_runs: Optional[int] = None) -> list[dict]:
+    """Each run the swarm announces (or only `run`; at most `max_runs`, those with the most peers): its name,
+    its live peers as :func:`run_rows` has them, and the tokens in one of its samples."""
     from p2p_diloco.swarm.liveness import answering
+    from p2p_diloco.swarm.status import read_status
+
+    report = []
+    names = [run] if run else sorted(name for name, _ in Counter(find_runs(dht)).most_common(max_runs))
+    for name in names:
+        statuses = read_status(dht, name)
+        direct = [pid for pid, s in statuses.items() if s.record.reachability == "direct"]
+        report.append(dict(run=name, peers=run_rows(statuses, answering(dht, direct)),
+                           tokens_per_sample=tokens_per_sample(statuses)))
+    return report
+
+
+def start_client(initial_peers: Sequence[str]):
+    """A DHT client node of the swarm, or the exit status of a one-line error (bad address, nobody answers)."""
+    from p2p_diloco.swarm.identity import Identity
     from p2p_diloco.swarm.node import NodeAddressError, start_dht
     from p2p_diloco.swarm.records import node_validators
-    from p2p_diloco.swarm.status import read_status
 
     identity = Identity.load_or_create(None)
     try:
-        dht = start_dht("127.0.0.1", 0, identity, node_validators(identity), initial_peers=initial_peers,
-                        client_mode=True)
+        return start_dht("127.0.0.1", 0, identity, node_validators(identity), initial_peers=initial_peers,
+                         client_mode=True)
     except NodeAddressError as e:
         return fail(str(e), EXIT_USAGE)
     except ConnectionError as e:
         return fail(str(e), EXIT_UNREACHABLE)
+
+
+def run_status(initial_peers: Sequence[str], run: Optional[str], as_json: bool, verbose: bool) -> int:
+    setup_logging(verbose)
+    dht = start_client(initial_peers)
+    if isinstance(dht, int):
+        return dht
     try:
-        runs = [run] if run else sorted(find_runs(dht))
-        report = []
-        for name in runs:
-            statuses = read_status(dht, name)
-            direct = [pid for pid, s in statuses.items() if s.record.reachability == "direct"]
-            report.append(dict(run=name, peers=run_rows(statuses, answering(dht, direct))))
+        report = read_runs(dht, run)
     finally:
         shutdown_dht(dht)
     if as_json:
@@ -111,4 +147,27 @@ def run_status(initial_peers: Sequence[str], run: Optional[str], as_json: bool, 
     else:
         print("\n\n".join(format_run(r["run"], r["peers"]) if r["peers"] else f"run {r['run']}: no live peer"
                           for r in report))
+    return EXIT_OK
+
+
+def serve_status(initial_peers: Sequence[str], run: Optional[str], host: str, port: int, refresh_s: float,
+                 verbose: bool) -> int:
+    """`status --serve`: a DHT client that serves the run's page (p2p_diloco.run_page) until SIGINT or SIGTERM."""
+    setup_logging(verbose)
+    from p2p_diloco.run_page.server import serve_run_page
+
+    stop = install_stop_handlers()
+    dht = start_client(initial_peers)
+    if isinstance(dht, int):
+        return dht
+    try:
+        try:
+            page = serve_run_page(dht, host, port, run, refresh_s)
+        except OSError as e:
+            return fail(str(e), EXIT_USAGE)
+        print(page.url, flush=True)
+        stop.wait()
+        page.close()
+    finally:
+        shutdown_dht(dht)
     return EXIT_OK

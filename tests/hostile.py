@@ -1,9 +1,10 @@
 """A hostile process for the tests: it joins a run's DHT and sends what no honest peer would.
 
-    python -m tests.hostile records|donor|groupmate --config RUN.toml --initial-peers MADDR
+    python -m tests.hostile records|markup|donor|groupmate --config RUN.toml --initial-peers MADDR
 
 * ``records``: writes malformed, unsigned, forged and lying records under the run's DHT keys from a
   node that stores anything, and keeps them fresh;
+* ``markup``: keeps a well-formed, signed status record fresh whose device and version are markup;
 * ``donor``: declares itself the best state donor of the run and serves the next malformed state
   of :data:`STATE_VARIANTS` to each peer that downloads from it (the same one if it asks again);
 * ``poisoned-donor``: signs a progress record one outer step ahead of the honest peers (kept one
@@ -56,6 +57,7 @@ from p2p_diloco.process_tree import children_exit_with_this_process
 from p2p_diloco.swarm.identity import owner_peer_id
 from p2p_diloco.swarm.progress import read_progress
 from p2p_diloco.swarm.records import progress_key, rounds_key, runs_key, status_key
+from p2p_diloco.swarm.status import first_status
 from p2p_diloco.sync.group_screen import GroupScreen
 from p2p_diloco.sync.membership import PlannedMatchmaking, plan_membership
 from p2p_diloco.sync.outer_sync import averager_prefix, group_bits
@@ -160,6 +162,24 @@ def write_records(args, stop: threading.Event) -> None:
                         value = {**value, "time": time.time()}
                     dht.store(key, value, get_dht_time() + 30, subkey=subkey)
             say("wrote records")
+            stop.wait(3)
+    finally:
+        dht.shutdown()
+
+
+MARKUP = '<img src=x onerror="document.title=1">'  # a device name, as a stranger may claim one
+
+
+def write_markup(args, stop: threading.Event) -> None:
+    """A well-formed, signed status record of the run whose strings are markup: pages show them as text."""
+    cfg, fingerprint, _ = run_parameters(args.config)
+    dht, signer = start_dht(args.initial_peers)
+    record = {**first_status(fingerprint, {}, "unreachable", MARKUP), "version": "<b>0</b><script>1</script>"}
+    say(f"markup signed as {owner_peer_id(signer.local_public_key)}")
+    try:
+        while not stop.is_set():
+            dht.store(status_key(cfg.run.name), {**record, "time": time.time()}, get_dht_time() + 30,
+                      subkey=signer.local_public_key)
             stop.wait(3)
     finally:
         dht.shutdown()
@@ -393,7 +413,7 @@ def run_unlisted_peer(args, stop: threading.Event) -> None:
     say(f"unlisted peer exited with {run_peer(args.config, options)}")  # it stops on its own SIGTERM handler
 
 
-MODES = {"records": write_records, "donor": serve_states, "poisoned-donor": serve_poisoned_state,
+MODES = {"records": write_records, "markup": write_markup, "donor": serve_states, "poisoned-donor": serve_poisoned_state,
          "groupmate": join_groups,
          "unlisted-peer": run_unlisted_peer}
 

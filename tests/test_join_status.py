@@ -4,7 +4,7 @@
   after a restart, and refuses a state directory that another peer holds;
 * a peer whose settings differ from the run's is told which ones and exits, and the run never
   averages with it; with --ignore-other-settings it trains alone;
-* `status` lists every live peer of a real swarm with its outer step, as a table and as JSON;
+* (`status` of a real swarm, as a table, as JSON and as a page: tests/test_run_page.py)
 * peers on a sharded stream (a local dataset read through datasets' streaming path) read different
   shards, and a restarted one goes on with its shard where it was.
 """
@@ -19,13 +19,12 @@ import sys
 import pytest
 import torch
 
-from p2p_diloco import __version__
 from p2p_diloco.manifest import lock_state_dir
 from p2p_diloco.metrics import read_metrics
 from p2p_diloco.node_runner import EXIT_OTHER_SETTINGS, EXIT_USAGE
 from tests.conftest import REPO
 from tests.swarm_helpers import (
-    FAST_TIMEOUTS, last_step, peer_id_of, proc, start_bootstrap, start_peer, swarm, tiny_config_file,
+    FAST_TIMEOUTS, last_step, proc, start_bootstrap, start_peer, swarm, tiny_config_file,
     wait_for_steps, wait_until,
 )
 
@@ -105,27 +104,6 @@ def test_a_peer_with_other_settings_is_told_which_and_exits(processes, tmp_path)
     assert "training anyway (--ignore-other-settings): run 'test' is trained with other settings" in \
         processes.log("ignorer")
     assert [r["group_size"] for r in events(ignorer, "outer_step")] == [1]
-
-
-def test_status_lists_every_live_peer_with_its_outer_step(processes, tmp_path):
-    maddr, _, metrics = swarm(processes, tmp_path, 3)
-    wait_for_steps(metrics, 2)
-    result = cli("status", "--initial-peers", maddr, "--run", "test", "--json")
-    assert result.returncode == 0, result.stderr
-    (run,) = json.loads(result.stdout)["runs"]
-    by_peer = {peer["peer_id"]: peer for peer in run["peers"]}
-    assert set(by_peer) == {peer_id_of(m) for m in metrics}
-    for path in metrics:
-        peer = by_peer[peer_id_of(path)]
-        # published after the metrics record of the same step: never ahead of it
-        assert 2 <= peer["outer_step"] <= last_step(path)
-        assert peer["answers"] is True and peer["reachability"] == "direct" and peer["version"] == __version__
-        assert peer["phase"] in ("training", "syncing") and peer["inner_steps"] >= 20 and peer["device"] == "cpu"
-
-    table = cli("status", "--initial-peers", maddr)  # every run the swarm announces
-    assert table.returncode == 0, table.stderr
-    assert "run test: 3 live peer(s)" in table.stdout
-    assert all(peer_id[-8:] in table.stdout for peer_id in by_peer)
 
 
 def write_jsonl_dataset(folder, files: int, docs_per_file: int):

@@ -70,6 +70,7 @@ SettingValue = Union[pydantic.StrictBool, pydantic.StrictInt, pydantic.StrictFlo
                      pydantic.constr(strict=True, max_length=256)]
 ShortText = pydantic.constr(strict=True, max_length=64)
 NonNegative = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
+Fraction = pydantic.confloat(strict=True, ge=0, le=1, allow_inf_nan=False)
 
 
 MAX_RANKS = 65536  # of one island peer (torchrun's ranks)
@@ -93,6 +94,15 @@ class StatusValue(StrictModel):
     time: FiniteFloat
     stored_step: Optional[OuterStep] = None  # the newest outer step it wrote to the run's checkpoint store
     ranks: pydantic.conint(strict=True, ge=1, le=MAX_RANKS) = 1  # the processes of an island peer (train/island.py)
+    # its contribution and its last outer step, for the run's page (p2p_diloco/run_page): as it claims them
+    samples: Count = 0  # in the outer steps it applied with its group, since this process started
+    rounds: Count = 0  # outer steps it applied with a group of two or more
+    group_size: Count = 0  # of its last applied outer step (0: none yet)
+    sync_bytes: Count = 0  # the all-reduce's payload it sent and received in that outer step
+    utilization: Optional[Fraction] = None  # inner-step time / wall time over that outer step
+    rounds_not_applied: Count = 0  # in a row: from EXCLUDED_AFTER_ROUNDS on, it is excluded (swarm/status.py)
+    eval_loss: Optional[FiniteFloat] = None  # a keeper's held-out loss of θ_global ...
+    eval_step: Optional[OuterStep] = None  # ... at this outer step
 
     @pydantic.validator("settings")
     def _bounded(cls, settings):

@@ -37,6 +37,7 @@ from p2p_diloco.swarm.records import RecordPublisher, StatusValue, read_signed, 
 logger = logging.getLogger(__name__)
 
 STARTING, TRAINING, SYNCING, LOADING, KEEPING, LEFT = "starting", "training", "syncing", "loading", "keeping", "left"
+EXCLUDED_AFTER_ROUNDS = 3  # rounds in a row without an outer step after which a peer says it is excluded
 
 @dataclass(frozen=True)
 class PeerStatus:
@@ -125,7 +126,8 @@ def first_status(fingerprint: str, settings: dict[str, Any], reachability: str, 
 
     return dict(outer_step=0, phase=STARTING, inner_steps=0, samples_per_s=0.0, loss=None, reachability=reachability,
                 version=__version__, device=device[:64], uptime_s=0.0, data_shard=None, fingerprint=fingerprint,
-                settings=settings, stored_step=None, ranks=ranks)
+                settings=settings, stored_step=None, ranks=ranks, samples=0, rounds=0, group_size=0, sync_bytes=0,
+                utilization=None, rounds_not_applied=0, eval_loss=None, eval_step=None)
 
 
 class StatusPublisher:

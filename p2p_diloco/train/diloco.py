@@ -55,7 +55,7 @@ from p2p_diloco.swarm.progress import (
     KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RoundPlan, SwarmProgress, plan_round,
 )
 from p2p_diloco.swarm.records import RecordPublisher, assistance_key
-from p2p_diloco.swarm.status import StatusPublisher, choose_shard, read_status, settings_mismatch
+from p2p_diloco.swarm.status import EXCLUDED_AFTER_ROUNDS, StatusPublisher, choose_shard, read_status, settings_mismatch
 from p2p_diloco.sync.outer_sync import GroupMean, OuterSync
 from p2p_diloco.sync.robust import aggregation_rule
 from p2p_diloco.sync.state_store import StateStore, StoreError, StoreWriter
@@ -68,6 +68,7 @@ from p2p_diloco.train.fragments import model_fragments
 from p2p_diloco.train.inner import InnerTrainer
 from p2p_diloco.train.island import IslandLead, SoloIsland
 from p2p_diloco.train.local_work import LocalWork
+from p2p_diloco.train.model import evaluate_loss
 from p2p_diloco.train.outer import GlobalModel
 from p2p_diloco.train.peer_view import PeerView
 from p2p_diloco.train.round_sync import ROUND_STOPPED, RoundSync, SyncOutcome
@@ -84,7 +85,6 @@ HANDOVER_S = 3 * KEEP_POLL_S  # how long a leaving peer waits for a keeper that 
 HANDOVER_POLL_S = 0.5
 
 ROUND_CHECK_PERIOD_S = 1.0  # how often the inner loop looks whether the swarm is ready to average
-EXCLUDED_AFTER_ROUNDS = 3  # rounds in a row without an outer step after which a peer says it is excluded
 
 
 class RunSettingsMismatch(RuntimeError):
@@ -139,11 +139,13 @@ class DiLoCoPeer:
         keeper: bool = False,
         trusted_peers: Sequence[str] = (),
         island: Optional[IslandLead] = None,
+        heldout: Optional[torch.Tensor] = None,
     ):
         self.cfg = cfg
         # the run's keeper (:meth:`keep`) follows the run's state and serves it, and never trains
         self.keeper = keeper
         self.idle_phase = KEEPING if keeper else TRAINING
+        self.heldout = heldout  # [n, seq_len]: a keeper evaluates θ_global on them after each state it loads
         self.model = model
         # a peer of several ranks (train/island.py) is rank 0 of its island; a single process, an island of one
         self.island = island or SoloIsland(model)
@@ -280,12 +282,20 @@ class DiLoCoPeer:
             while not self._stopping():
                 records = self.progress.fetch()
                 plan = plan_round(records, self.global_model.outer_step, self.sha256)
-                if plan.action == "load" and self._load_from_peers(plan, records) and self.store_writer is not None:
-                    self.store_writer.after_step(self.global_model.outer_step, self.sha256, self.inner.steps_done,
-                                                 self._state_snapshot)
+                if plan.action == "load" and self._load_from_peers(plan, records):
+                    if self.store_writer is not None:
+                        self.store_writer.after_step(self.global_model.outer_step, self.sha256,
+                                                     self.inner.steps_done, self._state_snapshot)
+                    self._evaluate_global()
                 self.stop_event.wait(KEEP_POLL_S)
         finally:
             self._leave()
+
+    def _evaluate_global(self) -> None:
+        """A keeper's held-out loss of θ_global (its model holds θ_global: it never trains), in its status
+        record for the run's page; nothing when it has no held-out sequences."""
+        if self.heldout is not None and len(self.heldout):
+            self.view.evaluated(self.global_model.outer_step, evaluate_loss(self.model, self.heldout))
 
     def _join(self) -> None:
         self.restored = self._restore_checkpoint()
@@ -435,6 +445,7 @@ class DiLoCoPeer:
             return
         logger.warning("outer step %d: %s; applying nothing this round", step + 1, reason)
         self.rounds_not_applied += 1
+        self.view.not_applied(self.rounds_not_applied)
         if self.rounds_not_applied == EXCLUDED_AFTER_ROUNDS:
             logger.warning("excluded from the swarm's outer steps for %d rounds in a row (last: %s); this peer "
                            "keeps its inner steps and keeps trying", self.rounds_not_applied, reason)
@@ -460,6 +471,8 @@ class DiLoCoPeer:
         step = self.global_model.outer_step
         self.progress.publish(step, self.sha256, TRAINING)
         traffic = self.sync.averager.traffic
+        lap = self.clock.lap()
+        self.view.applied(samples, result.group_size, traffic.sent + traffic.received, lap["compute_utilization"])
         self.metrics.write(
             "outer_step",
             outer_step=step,
@@ -476,7 +489,7 @@ class DiLoCoPeer:
             codec=self.cfg.outer.codec,
             inner_steps=self.inner.steps_done,
             lr=self.inner.scheduler.get_last_lr()[0],
-            **self.clock.lap(),
+            **lap,
         )
         logger.info(
             "outer step %d: group of %d, %d samples, loss %.4f, global %s",

@@ -23,6 +23,9 @@ class PeerView:
         self.display = display
         self.tokens_per_sample = tokens_per_sample
         self.idle_phase = peer_status.KEEPING if keeper else peer_status.TRAINING  # a keeper never trains
+        self.samples = 0  # in the outer steps this peer applied with its group
+        self.rounds = 0  # of those, the ones averaged with others
+        self._traffic_seen = 0  # the all-reduce bytes counted in an earlier outer step
 
     def joined(self, **fields: Any) -> None:
         """The first record (outer step, inner steps, data shard): stored before the progress record, so a
@@ -39,6 +42,23 @@ class PeerView:
         if self.display is not None:
             self.display.step(step_loss, samples * self.tokens_per_sample)
         self.status.update(**status_fields)
+
+    def applied(self, samples: int, group_size: int, traffic_total: int, utilization: float) -> None:
+        """An outer step applied: its samples and group size, the all-reduce bytes since the last one
+        (`traffic_total` counts them all, sent and received) and the compute utilization since the last
+        one; stored with the next record the loop publishes."""
+        self.samples += samples
+        self.rounds += group_size > 1
+        sync_bytes, self._traffic_seen = traffic_total - self._traffic_seen, traffic_total
+        self.status.update(samples=self.samples, rounds=self.rounds, group_size=group_size, sync_bytes=sync_bytes,
+                           utilization=min(max(utilization, 0.0), 1.0), rounds_not_applied=0)
+
+    def not_applied(self, rounds_in_a_row: int) -> None:
+        self.status.update(rounds_not_applied=rounds_in_a_row)
+
+    def evaluated(self, outer_step: int, loss: float | None) -> None:
+        """The held-out loss of θ_global at `outer_step` (a keeper's; see DiLoCoPeer.keep)."""
+        self.status.publish(eval_step=outer_step, eval_loss=loss)
 
     def syncing(self) -> None:
         self.status.publish(phase=peer_status.SYNCING)

@@ -1,0 +1,213 @@
+"""The run's status: as a table, as JSON and as a page (p2p_diloco/run_page) in a real headless Chromium.
+
+* what the page remembers stays bounded over a run of any length, and one stranger's claims cannot
+  move its plots far; markup a peer writes is escaped;
+* one real swarm on 127.0.0.1 (a bootstrap node that keeps the run's state and serves its page, two
+  peers, and a stranger whose signed status record is markup): `status` lists the peers as a table
+  and as JSON; the page in Chromium shows the two peers in its table, draws its plots (the keeper's
+  held-out loss of θ_global among them), shows a new outer step without a reload, and shows the
+  stranger's markup as text; `status --serve` serves the same JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from p2p_diloco import __version__
+from p2p_diloco.process_tree import descendant_pids, stop_processes
+from p2p_diloco.run_page.history import RunHistory, Series, TokenCount
+from p2p_diloco.run_page.render import render_main
+from tests.conftest import REPO
+from tests.hostile import MARKUP
+from tests.swarm_helpers import (
+    FAST_TIMEOUTS, LOOPBACK, last_step, peer_id_of, start_bootstrap, start_peer, tiny_config_file, wait_for_steps,
+    wait_until,
+)
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+def row(peer_id: str, **change) -> dict:
+    """A peer as `status --json` lists it."""
+    value = dict(peer_id=peer_id, outer_step=5, phase="training", inner_steps=50, samples_per_s=10.0, loss=3.0,
+                 reachability="direct", answers=True, version="0.1", device="cpu", uptime_s=60.0, data_shard=None,
+                 fingerprint="ab" * 32, stored_step=None, ranks=1, samples=100, rounds=4, group_size=3,
+                 sync_bytes=1000, utilization=0.9, rounds_not_applied=0, eval_loss=None, eval_step=None, time=0.0)
+    return {**value, **change}
+
+
+def test_a_series_keeps_its_whole_span_in_bounded_memory():
+    series = Series(max_points=64)
+    for step in range(10_000):
+        series.record(step, float(step))
+        series.record(step, float(step))  # a second reading of the same step replaces the first
+    series.record(5, -1.0)  # a record from a peer behind the run: ignored
+    assert len(series.steps) <= 64 and series.steps[0] <= 256 and series.steps[-1] == 9_999
+    assert series.values == [float(s) for s in series.steps] and series.steps == sorted(set(series.steps))
+
+
+def test_tokens_count_restarted_peers_and_forget_old_ones_without_losing_their_tokens():
+    count = TokenCount(max_peers=2)
+    for peer, samples in (("a", 10), ("a", 30), ("b", 5), ("a", 4), ("c", 1), ("d", 1)):  # a restarted: 30 -> 4
+        count.observe(peer, samples)
+    assert count.samples == 30 + 4 + 5 + 1 + 1
+
+
+def test_one_stranger_cannot_move_the_plots_far():
+    history = RunHistory("test")
+    honest = [row(f"peer{i}", loss=3.0 + i / 10, group_size=3, utilization=0.9) for i in range(3)]
+    stranger = row("stranger", loss=1e30, group_size=10**9, utilization=0.0, sync_bytes=10**15)
+    keeper = row("keeper", phase="keeping", samples=0, samples_per_s=0.0, eval_loss=2.5, eval_step=4)
+    history.observe([*honest, stranger, keeper], tokens_per_sample=16, now=1.0)
+    assert history.summary["outer_step"] == 5 and history.summary["live_peers"] == 4
+    point = {name: s.values[-1] for name, s in history.series.items() if s.values}
+    assert 3.0 <= point["loss"] <= 3.2 and point["group_size"] == 3 and point["utilization"] == 0.9
+    assert history.series["eval_loss"].steps == [4] and point["eval_loss"] == 2.5
+    assert history.summary["tokens_trained"] == 4 * 100 * 16
+
+
+def test_markup_in_a_record_is_shown_as_text():
+    api = dict(time=1.0, runs=[dict(run="test", peers=[row("peer0", device=MARKUP, version="<b>0</b>")],
+                                    summary={}, history={})])
+    page = render_main(api)
+    assert "<img" not in page and "<b>" not in page and "&lt;img src=x onerror=&quot;" in page
+
+
+# ----- a real swarm ---------------------------------------------------------------------------------
+def get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read()
+
+
+def cli(*args: str) -> subprocess.Popen:
+    """A `p2p-diloco` command that ends by itself, started (two can run at once): see :func:`finished`."""
+    return subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def finished(command: subprocess.Popen, timeout_s: float = 120) -> tuple[int, str, str]:
+    """Its exit status, stdout and stderr; killed (by PID) if it runs past `timeout_s`."""
+    try:
+        out, err = command.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        command.kill()
+        command.wait(10)
+        raise
+    return command.returncode, out, err
+
+
+@pytest.fixture
+def chromium():
+    """A headless Chromium driven by chromedriver (Debian's chromium and chromium-driver); stopped by PID."""
+    if not (CHROMIUM and CHROMEDRIVER):
+        if os.environ.get("P2P_DILOCO_REQUIRE_BROWSER"):
+            pytest.fail("chromium and chromedriver are required (apt-get install chromium chromium-driver)")
+        pytest.skip("needs chromium and chromedriver (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--window-size=1400,1000"):
+        options.add_argument(flag)
+    service = Service(CHROMEDRIVER)
+    driver = webdriver.Chrome(options=options, service=service)
+    driver.set_page_load_timeout(30)
+    tree = [service.process.pid, *descendant_pids(service.process.pid)]
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        stop_processes(tree, grace_s=5)
+
+
+def logged(processes, name: str, pattern: str, timeout_s: float = 60) -> str:
+    """The first match of `pattern`'s group in process `name`'s log, once there."""
+    found: list[str] = []
+
+    def matched() -> bool:
+        found.extend(re.findall(pattern, processes.log(name)))
+        return bool(found)
+    wait_until(matched, timeout_s, f"{pattern!r} in the log of {name}")
+    return found[0]
+
+
+PAGE_AT = r"the run's page is at (http://127\.0\.0\.1:\d+/)"
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(480)
+def test_status_as_a_table_as_json_and_as_a_page_in_a_browser(processes, tmp_path, chromium):
+    from selenium.webdriver.common.by import By
+
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS)
+    maddr = start_bootstrap(processes, LOOPBACK, "--keep", str(config), "--page-port", "0", "--page-refresh", "1")
+    metrics = [start_peer(processes, f"peer{i}", config, maddr) for i in range(2)]
+    served = processes.start("status-serve", "status", "--initial-peers", maddr, "--serve", "--port", "0",
+                             "--refresh", "1")
+    wait_for_steps(metrics, 2)
+    peers = {peer_id_of(m) for m in metrics}
+
+    # the table and the JSON of `status`
+    table, as_json = cli("status", "--initial-peers", maddr), cli("status", "--initial-peers", maddr, "--json")
+    code, out, err = finished(as_json)
+    assert code == 0, err
+    (run,) = json.loads(out)["runs"]
+    by_peer = {peer["peer_id"]: peer for peer in run["peers"]}
+    assert set(by_peer) - peers == {next(p for p, r in by_peer.items() if r["phase"] == "keeping")}
+    for path in metrics:
+        peer = by_peer[peer_id_of(path)]
+        # published after the metrics record of the same step: never ahead of it
+        assert 2 <= peer["outer_step"] <= last_step(path) and peer["rounds"] >= 1 and peer["samples"] > 0
+        assert peer["answers"] is True and peer["reachability"] == "direct" and peer["version"] == __version__
+        assert peer["phase"] in ("training", "syncing") and peer["inner_steps"] >= 20 and peer["device"] == "cpu"
+    code, out, err = finished(table)  # every run the swarm announces, as a table
+    assert code == 0, err
+    assert "run test: 3 live peer(s)" in out and all(p[-8:] in out for p in by_peer)
+
+    # the page, in a browser: the peers, the plots (the keeper's held-out loss among them)
+    chromium.get(logged(processes, "bootstrap", PAGE_AT))
+
+    def shown_peers() -> set[str]:
+        return {r.get_attribute("data-peer-id") for r in chromium.find_elements(By.CSS_SELECTOR, "table.peers tbody tr")}
+
+    def plotted(series: str) -> int:
+        lines = chromium.find_elements(By.CSS_SELECTOR, f'svg.plot[data-series="{series}"] polyline')
+        return len(lines[0].get_attribute("points").split()) if lines else 0
+
+    wait_until(lambda: shown_peers() == peers and plotted("eval_loss") >= 1 and plotted("loss") >= 2, 120,
+               "the page to show both peers and their plots")
+    assert all(plotted(s) >= 1 for s in ("loss", "group_size", "sync_bytes", "utilization", "tokens_per_s"))
+    step_shown = lambda: int(chromium.find_element(By.CSS_SELECTOR, '[data-fact="outer step"]').text)  # noqa: E731
+    chromium.execute_script("window.notReloaded = true")
+    before = step_shown()
+    wait_until(lambda: step_shown() > before, 120, "the page to show the next outer step")
+    assert chromium.execute_script("return window.notReloaded") is True  # refreshed in place
+
+    # a stranger's markup is text on the page, in its JSON and in `status --serve`'s JSON
+    processes.start("hostile-markup", "markup", "--config", str(config), "--initial-peers", maddr,
+                    module="tests.hostile")
+    author = logged(processes, "hostile-markup", r"markup signed as (\w+)", 120)
+    wait_until(lambda: author in shown_peers(), 120, "the page to show the stranger")
+    cells = chromium.find_elements(By.CSS_SELECTOR, f'tr[data-peer-id="{author}"] td')
+    assert MARKUP in [c.text for c in cells] and "<b>0</b><script>1</script>" in [c.text for c in cells]
+    assert not chromium.find_elements(By.CSS_SELECTOR, "main img, main b, main script")
+    assert chromium.title == "p2p-diloco run"  # the onerror never ran
+
+    served_url = logged(processes, "status-serve", PAGE_AT, 120)
+    wait_until(lambda: json.loads(get(served_url + "api/status"))["runs"], 60, "status --serve to read the swarm")
+    api = json.loads(get(served_url + "api/status"))
+    (run,) = api["runs"]
+    assert peers <= {p["peer_id"] for p in run["peers"]} and run["summary"]["live_peers"] >= 2
+    assert run["history"]["peers"]["values"] and "<script>" in json.dumps(run["peers"])  # JSON: the string as is
+    served.terminate()
+    assert served.wait(30) == 0
