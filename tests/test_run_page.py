@@ -72,6 +72,9 @@ def test_one_stranger_cannot_move_the_plots_far():
     assert 3.0 <= point["loss"] <= 3.2 and point["group_size"] == 3 and point["utilization"] == 0.9
     assert history.series["eval_loss"].steps == [4] and point["eval_loss"] == 2.5
     assert history.summary["tokens_trained"] == 4 * 100 * 16
+    history.observe([], tokens_per_sample=16, now=2.0)  # every peer left: the run stays where it was
+    assert history.summary["outer_step"] == 5 and history.series["peers"].values[-1] == 0
+    assert history.summary["tokens_trained"] == 4 * 100 * 16
 
 
 def test_markup_in_a_record_is_shown_as_text():

@@ -109,7 +109,8 @@ class RunHistory:
         ours = [r for r in rows if r["fingerprint"] == fingerprint]
         trainers = [r for r in ours if r["phase"] != KEEPING]
         keepers = [r for r in ours if r["phase"] == KEEPING]
-        step = max((r["outer_step"] for r in ours), default=0)
+        newest = self.series["peers"].steps
+        step = max((r["outer_step"] for r in ours), default=newest[-1] if newest else 0)  # all gone: where it was
         for r in trainers:
             self.tokens.observe(r["peer_id"], r.get("samples", 0))
         tokens_per_s = sum(r["samples_per_s"] for r in trainers) * tokens_per_sample
