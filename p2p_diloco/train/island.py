@@ -322,7 +322,13 @@ class IslandLead:
         self.island.push_params([self._model_params[i] for i in indices],
                                 [self.params[i] for i in indices] if self.island.shard else None)
         if self._pending_optimizer is not None:
+            optimizer = self._pending_optimizer[0]
+            # the loaded state carries the checkpoint's lr; rank 0's schedule may have moved on since (a state
+            # loaded from the run after the restore), as the other ranks' does after this push
+            schedule_lrs = [group["lr"] for group in optimizer.param_groups]
             self.island.load_optimizer_state(self.model, *self._pending_optimizer)
+            for group, lr in zip(optimizer.param_groups, schedule_lrs):
+                group["lr"] = lr
         self._pending_steps, self._pending_indices, self._pending_optimizer = None, set(), None
 
     def before_step(self) -> None:
