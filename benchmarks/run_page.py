@@ -98,7 +98,8 @@ def real_run(args, driver, started: list) -> dict:
         args.screenshot.parent.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(args.screenshot))
     result = dict(peers=args.peers, outer_steps=min(steps), load_ms=load_ms(driver, url),
-                  status_serve_pss_mib=round(pss_mib(served.pid), 1), page_bytes=len(urllib.request.urlopen(url).read()))
+                  status_serve_pss_mib=round(pss_mib(served.pid), 1),
+                  page_bytes=len(urllib.request.urlopen(url).read()))
     for p in peers:
         p.wait(args.timeout_s)
     return result

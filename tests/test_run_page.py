@@ -181,7 +181,8 @@ def test_status_as_a_table_as_json_and_as_a_page_in_a_browser(processes, tmp_pat
     chromium.get(logged(processes, "bootstrap", PAGE_AT))
 
     def shown_peers() -> set[str]:
-        return {r.get_attribute("data-peer-id") for r in chromium.find_elements(By.CSS_SELECTOR, "table.peers tbody tr")}
+        rows = chromium.find_elements(By.CSS_SELECTOR, "table.peers tbody tr")
+        return {r.get_attribute("data-peer-id") for r in rows}
 
     def plotted(series: str) -> int:
         lines = chromium.find_elements(By.CSS_SELECTOR, f'svg.plot[data-series="{series}"] polyline')
