@@ -303,3 +303,61 @@ def test_error_feedback_delays_what_the_codec_drops_and_loses_nothing(codec):
 def _roundtrip(codec: str, tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.reshape(-1).contiguous()
     return get_codec(codec).decode(get_codec(codec).encode(flat), flat.numel()).reshape(tensor.shape)
+
+
+# ----- the wire format, fixed: a faster codec must give the same bits ---------------------------------------
+def _wire_bytes(codec_name: str, numel: int = NUMEL) -> bytes:
+    """Well-formed bytes of a part of `numel` values, from integer arithmetic only (the same on every machine):
+    every code, and block scales among which a zero and a float32 subnormal."""
+    codec = get_codec(codec_name)
+    blocks = -(-numel // codec.blocksize)
+    codes = bytes((i * 197 + 11) % 256 for i in range(codec.encoded_size(numel) - 4 * blocks))
+    scales = [0.0 if k == 3 else 1e-40 if k == 5 else (k % 17 + 1) * 2.0 ** -(k % 13) for k in range(blocks)]
+    return codes + np.array(scales, dtype="<f4").tobytes()
+
+
+def _sha256(data) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+DECODED_SHA256 = {  # of the float32 part each codec decodes from _wire_bytes (the implementation of 2026-11-25)
+    "int8": "35b2aa6011ccd0c536a28c8a730ee45837a3ecfdc48c7dc3511e919e7be74495",
+    "nf4": "1545916c88ab12606330fd31a0956015fb2df5b3e6b11825101b8c11a2ceae03",
+    "fp4-bnb": "cbe78ddd9c0a6a811fafc4606a54842c8fd6be519ed4d1c5dc879bfa47d09f32",
+    "fp4-e3m0": "1c71da9c004dbd9c87fe62c81216c44e512953fcf199015e0a29042619d2698d",
+}
+
+
+@pytest.mark.parametrize("codec_name", BLOCK_CODECS)
+def test_decode_gives_the_wire_formats_bits(codec_name):
+    decoded = get_codec(codec_name).decode(_wire_bytes(codec_name), NUMEL)
+    assert _sha256(decoded.numpy().astype("<f4").tobytes()) == DECODED_SHA256[codec_name]
+
+
+def test_e3m0_encode_gives_the_wire_formats_bytes():
+    """E3M0's encode is reproducible (IEEE division and comparisons): the same bytes as its first implementation."""
+    part = torch.tensor([((i * 7919) % 2001 - 1000) * 2.0 ** -(i % 23) / 1000 for i in range(NUMEL)],
+                        dtype=torch.float32)
+    part[64:128] = 0  # a block of zeros: scale 0
+    assert _sha256(get_codec("fp4-e3m0").encode(part)) == \
+        "4118a7494aaa7f1f543da0bc51b4a21816b09b2af77453bdec880a919ae74a70"
+
+
+_E3M0_LEVELS = [0.0] + [2.0**-k for k in range(6, -1, -1)]  # 0, 2^-6, ..., 1
+
+
+def test_e3m0_exponent_codes_are_bucketize_on_the_midpoints():
+    """The integer computation of E3M0's codes against a binary search on its midpoints: every level and
+    midpoint, each float32 neighbour of each, and ratios across [0, 1] in every binade."""
+    from p2p_diloco.sync.codecs import _E3M0_MIDPOINTS, _e3m0_exponent_codes
+
+    points = torch.cat([_E3M0_MIDPOINTS, torch.tensor(_E3M0_LEVELS)])
+    neighbours = torch.cat([points, torch.nextafter(points, torch.zeros_like(points)),
+                            torch.nextafter(points, torch.ones_like(points))])
+    spread = 2.0 ** -(torch.rand(200_000, generator=_generator()) * 30)  # 2^-30 .. 1
+    ratios = torch.cat([neighbours, spread, torch.tensor([0.0, 1e-45, 1.0])]).clamp(0, 1)
+    expected = torch.bucketize(ratios, _E3M0_MIDPOINTS)
+    assert torch.equal(_e3m0_exponent_codes(ratios.clone()).long(), expected)
+
