@@ -361,3 +361,21 @@ def test_e3m0_exponent_codes_are_bucketize_on_the_midpoints():
     expected = torch.bucketize(ratios, _E3M0_MIDPOINTS)
     assert torch.equal(_e3m0_exponent_codes(ratios.clone()).long(), expected)
 
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_nearest_4bit_codes_are_bucketize_on_the_midpoints(quant_type):
+    """The table lookup of the bitsandbytes 4-bit codecs' encode against a binary search on the map's
+    midpoints: every midpoint and its float32 neighbours, values across [-1, 1] and near 0, the edges."""
+    from p2p_diloco.sync.codecs import _bnb_map, _nearest_codes
+
+    code = _bnb_map(quant_type)
+    order = torch.argsort(code)
+    midpoints = (code[order[:-1]] + code[order[1:]]) / 2
+    g = _generator()
+    scaled = torch.cat([
+        midpoints, torch.nextafter(midpoints, torch.full_like(midpoints, 2.0)),
+        torch.nextafter(midpoints, torch.full_like(midpoints, -2.0)), torch.rand(300_000, generator=g) * 2 - 1,
+        (torch.rand(100_000, generator=g) * 2 - 1) * 1e-3, torch.tensor([-1.0, 1.0, 0.0, -0.0, 1e-30, -1e-30, 1e-45]),
+    ])
+    assert torch.equal(_nearest_codes(scaled.clone(), quant_type).long(), order[torch.bucketize(scaled, midpoints)])

@@ -387,12 +387,55 @@ class BlockwiseInt8Codec(Codec):
         return _scaled_lookup(_bnb_map("dynamic"), codes, absmax, self.blocksize)
 
 
+_PREFIX_BITS = 16  # a float32 is looked up by its 16 high bits: sign, exponent and 7 bits of mantissa
+
+
+@functools.cache
+def _prefix_tables(quant_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`_nearest_codes` looks up, for each 16-bit prefix of a float32 in [−1, 1]: the code of
+    the prefix's smallest value, with (bits 4 and up) how much the code changes above the one midpoint
+    between two map values that falls inside the prefix's interval, and that midpoint (+inf if none).
+
+    Every interval of floats that share a prefix is narrower (2^-7 of its magnitude) than the gaps
+    between the 4-bit maps' midpoints, so it holds at most one midpoint: checked here."""
+    code = _bnb_map(quant_type)
+    order = torch.argsort(code)
+    midpoints = (code[order[:-1]] + code[order[1:]]) / 2
+    prefixes = torch.arange(-(2 ** (_PREFIX_BITS - 1)), 2 ** (_PREFIX_BITS - 1), dtype=torch.int32)
+    shift = 32 - _PREFIX_BITS
+    ends = torch.stack([prefixes << shift, prefixes << shift | (2**shift - 1)]).view(torch.float32)
+    finite = torch.isfinite(ends).all(dim=0)  # a prefix beyond [-1, 1] is never met: any entry will do
+    low, high = torch.where(finite, ends, 0.0).clamp(-1.0, 1.0).sort(dim=0).values
+    rank_low, rank_high = torch.bucketize(low, midpoints), torch.bucketize(high, midpoints)
+    assert int((rank_high - rank_low).max()) <= 1, f"two {quant_type} midpoints under one float32 prefix"
+    crossing = rank_high > rank_low
+    inside = torch.where(crossing, midpoints[rank_low.clamp(max=len(midpoints) - 1)], torch.tensor(float("inf")))
+    step = (order[rank_high] - order[rank_low]).int()
+    return (order[rank_low].int() | step << 4), inside
+
+
+def _nearest_codes(scaled: torch.Tensor, quant_type: str) -> torch.Tensor:
+    """The code of the nearest `quant_type` map value to each `scaled` value in [−1, 1], ties to the lower
+    value: exactly ``order[torch.bucketize(scaled, midpoints)]`` (the tests compare them), from two table
+    lookups by the value's 16 high bits and one comparison with the midpoint in its interval, done as
+    the sign of a subtraction (int32 codes; a CPU compares floats into booleans several times slower)."""
+    codes_and_steps, midpoints = _prefix_tables(quant_type)
+    prefix = scaled.view(torch.int32).bitwise_right_shift(32 - _PREFIX_BITS).add_(2 ** (_PREFIX_BITS - 1))
+    entry = torch.index_select(codes_and_steps, 0, prefix)
+    # 1 where scaled > the midpoint: midpoint − scaled is negative (its sign bit set; +0 when equal)
+    above = torch.index_select(midpoints, 0, prefix).sub_(scaled).view(torch.int32).bitwise_right_shift_(31).neg_()
+    return entry.bitwise_right_shift(4).mul_(above).add_(entry.bitwise_and_(15))
+
+
 @dataclass(frozen=True)
 class Bnb4BitCodec(Codec):
     """bitsandbytes' 4-bit blockwise quantization, NF4 or FP4 (Dettmers et al. 2023, QLoRA, arXiv 2305.14314).
 
-    Each block of 64 values is divided by its absolute maximum and each value is rounded to the
-    nearest of 16 map values (``torch.bucketize`` on the midpoints, in bitsandbytes 0.50 on the CPU).
+    Each block of 64 values is scaled by the reciprocal of its absolute maximum, as bitsandbytes scales
+    it, and each value is rounded to the nearest of 16 map values, ties to the lower: by
+    :func:`_nearest_codes`, six times faster than bitsandbytes 0.50's CPU quantizer (``torch.bucketize``
+    on the midpoints) and the same codes, but where that quantizer's copy of the map moves a midpoint
+    by a float32 rounding (one NF4 value in a million measured; FP4 below).
     Two codes per byte, the first in the high nibble; then one float32 absmax per block. The map is
     fixed by the quant type (checked against a fingerprint), so only absmax travels; decode is the
     map's value times absmax (:func:`_scaled_lookup`, what bitsandbytes' dequantize computes) and
@@ -402,9 +445,9 @@ class Bnb4BitCodec(Codec):
       so the bound is ``0.1520·absmax`` (half of it, 0.15190, plus margin).
     * FP4 of bitsandbytes is **not** the E3M0 of Streaming DiLoCo (:class:`E3M0Codec`): it has two
       exponent bits, one mantissa bit and a subnormal code, with magnitudes
-      {0, 1/192, 1/6, 1/4, 1/3, 1/2, 2/3, 1}·absmax. Largest gap 1/3 (between 2/3 and 1); the
-      quantizer's midpoints come from a 4-decimal copy of the map (0.6667), which shifts the midpoint
-      by 2e-5, so the bound is ``0.1668·absmax``.
+      {0, 1/192, 1/6, 1/4, 1/3, 1/2, 2/3, 1}·absmax. Largest gap 1/3 (between 2/3 and 1); bitsandbytes'
+      own quantizer takes its midpoints from a 4-decimal copy of the map (0.6667), which shifts the
+      midpoint by 2e-5, so the bound is ``0.1668·absmax``, for its encoder and for this one.
 
     For a block whose absmax is subnormal the bound is absmax (:func:`_absmax_bound`).
     """
@@ -421,9 +464,15 @@ class Bnb4BitCodec(Codec):
         return _absmax_bound(self._checked_part(part), self.blocksize, self.fraction_of_absmax)
 
     def _encode(self, part: torch.Tensor) -> bytes:
-        _bnb_map(self.quant_type)  # fails before encoding if bitsandbytes' map is not the wire format's
-        packed, state = _bnb_functional().quantize_4bit(part, blocksize=self.blocksize, quant_type=self.quant_type)
-        return packed.numpy().tobytes() + state.absmax.float().numpy().astype("<f4", copy=False).tobytes()
+        absmax = _block_absmax(part, self.blocksize)
+        # as bitsandbytes scales a block: times the reciprocal of its absmax (at least 1e-38), within [-1, 1]
+        reciprocal = 1.0 / absmax.clamp(min=1e-38)
+        scaled = torch.empty_like(part)
+        for values, out, factor in zip(_blocks(part, self.blocksize), _blocks(scaled, self.blocksize),
+                                       (reciprocal[: part.numel() // self.blocksize, None], reciprocal[-1])):
+            torch.mul(values, factor, out=out)
+        codes = _nearest_codes(scaled.clamp_(-1.0, 1.0), self.quant_type)
+        return _pack_nibbles(codes) + absmax.numpy().astype("<f4", copy=False).tobytes()
 
     def _decode(self, data: bytes, numel: int) -> torch.Tensor:
         return _decode_nibbles(self.name, _bnb_4bit_decode_table(self.quant_type), data, numel, self.blocksize)
