@@ -363,9 +363,9 @@ def test_e3m0_exponent_codes_are_bucketize_on_the_midpoints():
 
 
 
-@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-def test_nearest_4bit_codes_are_bucketize_on_the_midpoints(quant_type):
-    """The table lookup of the bitsandbytes 4-bit codecs' encode against a binary search on the map's
+@pytest.mark.parametrize("quant_type", ["dynamic", "nf4", "fp4"])
+def test_nearest_codes_are_bucketize_on_the_midpoints(quant_type):
+    """The table lookup of the int8 and 4-bit codecs' encode against a binary search on the map's
     midpoints: every midpoint and its float32 neighbours, values across [-1, 1] and near 0, the edges."""
     from p2p_diloco.sync.codecs import _bnb_map, _nearest_codes
 

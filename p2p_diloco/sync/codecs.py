@@ -359,11 +359,15 @@ class BlockwiseInt8Codec(Codec):
     Wire format: ``numel`` code bytes, then one float32 absmax per block; the map is fixed and
     checked against a fingerprint, not sent.
 
+    Each value is scaled as bitsandbytes scales it and coded by :func:`_nearest_codes` (the nearest map
+    value by the float32 midpoints, ties to the lower; bitsandbytes' own CPU kernel, a binary search,
+    is slower and not quite nearest).
+
     Bound: ``0.0075·absmax`` of the value's block. The largest gap between neighbouring map values is
     0.0140625 (near ±1, where the map is linear), so rounding to nearest moves a value by at most
-    0.00703·absmax; bitsandbytes' CPU kernel (a binary search over the map) measured not quite
-    nearest, by up to 3e-5·absmax next to a midpoint, and its worst measured error is 0.00705·absmax.
-    The bound keeps a 6 % margin over that. For a block whose absmax is subnormal the bound is absmax
+    0.00703·absmax; bitsandbytes' CPU kernel measured not quite nearest, by up to 3e-5·absmax next to
+    a midpoint, and its worst measured error is 0.00705·absmax. The bound keeps a 6 % margin over that,
+    for either encoder. For a block whose absmax is subnormal the bound is absmax
     (:func:`_absmax_bound`). For comparison, absmax/127 = 0.00787·absmax.
     """
 
@@ -378,8 +382,9 @@ class BlockwiseInt8Codec(Codec):
         return _absmax_bound(self._checked_part(part), self.blocksize, self.fraction_of_absmax)
 
     def _encode(self, part: torch.Tensor) -> bytes:
-        codes, state = _bnb_functional().quantize_blockwise(part, code=_bnb_map("dynamic"), blocksize=self.blocksize)
-        return codes.numpy().tobytes() + state.absmax.float().numpy().astype("<f4", copy=False).tobytes()
+        scaled, absmax = _scaled_blocks(part, self.blocksize)
+        codes = _nearest_codes(scaled, "dynamic").to(torch.uint8)
+        return codes.numpy().tobytes() + absmax.numpy().astype("<f4").tobytes()
 
     def _decode(self, data: bytes, numel: int) -> torch.Tensor:
         codes = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=numel).copy())
@@ -391,14 +396,16 @@ _PREFIX_BITS = 16  # a float32 is looked up by its 16 high bits: sign, exponent 
 
 
 @functools.cache
-def _prefix_tables(quant_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefix_tables(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """What :func:`_nearest_codes` looks up, for each 16-bit prefix of a float32 in [−1, 1]: the code of
-    the prefix's smallest value, with (bits 4 and up) how much the code changes above the one midpoint
-    between two map values that falls inside the prefix's interval, and that midpoint (+inf if none).
+    the prefix's smallest value under bitsandbytes' map `kind` (dynamic, nf4, fp4), with (bits 8 and up)
+    how much the code changes above the one midpoint between two map values that falls inside the
+    prefix's interval, and that midpoint (+inf if none).
 
     Every interval of floats that share a prefix is narrower (2^-7 of its magnitude) than the gaps
-    between the 4-bit maps' midpoints, so it holds at most one midpoint: checked here."""
-    code = _bnb_map(quant_type)
+    between these maps' midpoints (the dynamic map's are at least 1.06 % apart), so it holds at most one
+    midpoint: checked here."""
+    code = _bnb_map(kind)
     order = torch.argsort(code)
     midpoints = (code[order[:-1]] + code[order[1:]]) / 2
     prefixes = torch.arange(-(2 ** (_PREFIX_BITS - 1)), 2 ** (_PREFIX_BITS - 1), dtype=torch.int32)
@@ -407,24 +414,37 @@ def _prefix_tables(quant_type: str) -> tuple[torch.Tensor, torch.Tensor]:
     finite = torch.isfinite(ends).all(dim=0)  # a prefix beyond [-1, 1] is never met: any entry will do
     low, high = torch.where(finite, ends, 0.0).clamp(-1.0, 1.0).sort(dim=0).values
     rank_low, rank_high = torch.bucketize(low, midpoints), torch.bucketize(high, midpoints)
-    assert int((rank_high - rank_low).max()) <= 1, f"two {quant_type} midpoints under one float32 prefix"
+    assert int((rank_high - rank_low).max()) <= 1, f"two {kind} midpoints under one float32 prefix"
     crossing = rank_high > rank_low
     inside = torch.where(crossing, midpoints[rank_low.clamp(max=len(midpoints) - 1)], torch.tensor(float("inf")))
     step = (order[rank_high] - order[rank_low]).int()
-    return (order[rank_low].int() | step << 4), inside
+    return (order[rank_low].int() | step << 8), inside
 
 
-def _nearest_codes(scaled: torch.Tensor, quant_type: str) -> torch.Tensor:
-    """The code of the nearest `quant_type` map value to each `scaled` value in [−1, 1], ties to the lower
-    value: exactly ``order[torch.bucketize(scaled, midpoints)]`` (the tests compare them), from two table
-    lookups by the value's 16 high bits and one comparison with the midpoint in its interval, done as
-    the sign of a subtraction (int32 codes; a CPU compares floats into booleans several times slower)."""
-    codes_and_steps, midpoints = _prefix_tables(quant_type)
+def _nearest_codes(scaled: torch.Tensor, kind: str) -> torch.Tensor:
+    """The code of the nearest value of bitsandbytes' map `kind` to each `scaled` value in [−1, 1], ties to
+    the lower value: exactly ``order[torch.bucketize(scaled, midpoints)]`` (the tests compare them), from
+    two table lookups by the value's 16 high bits and one comparison with the midpoint in its interval,
+    done as the sign of a subtraction (int32 codes; a CPU compares floats into booleans several times
+    slower)."""
+    codes_and_steps, midpoints = _prefix_tables(kind)
     prefix = scaled.view(torch.int32).bitwise_right_shift(32 - _PREFIX_BITS).add_(2 ** (_PREFIX_BITS - 1))
     entry = torch.index_select(codes_and_steps, 0, prefix)
     # 1 where scaled > the midpoint: midpoint − scaled is negative (its sign bit set; +0 when equal)
     above = torch.index_select(midpoints, 0, prefix).sub_(scaled).view(torch.int32).bitwise_right_shift_(31).neg_()
-    return entry.bitwise_right_shift(4).mul_(above).add_(entry.bitwise_and_(15))
+    return entry.bitwise_right_shift(8).mul_(above).add_(entry.bitwise_and_(255))
+
+
+def _scaled_blocks(part: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each value times the reciprocal of its block's absolute maximum (at least 1e-38), within [−1, 1], as
+    bitsandbytes scales a block before it quantizes it; and the blocks' absolute maxima."""
+    absmax = _block_absmax(part, blocksize)
+    reciprocal = 1.0 / absmax.clamp(min=1e-38)
+    scaled = torch.empty_like(part)
+    for values, out, factor in zip(_blocks(part, blocksize), _blocks(scaled, blocksize),
+                                   (reciprocal[: part.numel() // blocksize, None], reciprocal[-1])):
+        torch.mul(values, factor, out=out)
+    return scaled.clamp_(-1.0, 1.0), absmax
 
 
 @dataclass(frozen=True)
@@ -464,15 +484,8 @@ class Bnb4BitCodec(Codec):
         return _absmax_bound(self._checked_part(part), self.blocksize, self.fraction_of_absmax)
 
     def _encode(self, part: torch.Tensor) -> bytes:
-        absmax = _block_absmax(part, self.blocksize)
-        # as bitsandbytes scales a block: times the reciprocal of its absmax (at least 1e-38), within [-1, 1]
-        reciprocal = 1.0 / absmax.clamp(min=1e-38)
-        scaled = torch.empty_like(part)
-        for values, out, factor in zip(_blocks(part, self.blocksize), _blocks(scaled, self.blocksize),
-                                       (reciprocal[: part.numel() // self.blocksize, None], reciprocal[-1])):
-            torch.mul(values, factor, out=out)
-        codes = _nearest_codes(scaled.clamp_(-1.0, 1.0), self.quant_type)
-        return _pack_nibbles(codes) + absmax.numpy().astype("<f4", copy=False).tobytes()
+        scaled, absmax = _scaled_blocks(part, self.blocksize)
+        return _pack_nibbles(_nearest_codes(scaled, self.quant_type)) + absmax.numpy().astype("<f4").tobytes()
 
     def _decode(self, data: bytes, numel: int) -> torch.Tensor:
         return _decode_nibbles(self.name, _bnb_4bit_decode_table(self.quant_type), data, numel, self.blocksize)
