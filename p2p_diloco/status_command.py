@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections import Counter
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from p2p_diloco.node_runner import (
     EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, fail, install_stop_handlers, setup_logging, shutdown_dht,
@@ -63,10 +63,16 @@ def peer_cells(r: dict, main: Optional[str]) -> dict[str, str]:
     )))
 
 
+def main_fingerprint(fingerprints: Iterable[str]) -> Optional[str]:
+    """The settings fingerprint most of a run's live peers train with (None without peers)."""
+    counts = Counter(fingerprints)
+    return counts.most_common(1)[0][0] if counts else None
+
+
 def format_run(run: str, rows: list[dict]) -> str:
     """The table of one run, with a line that says how many peers train with which settings."""
     fingerprints = Counter(r["fingerprint"] for r in rows)
-    main = fingerprints.most_common(1)[0][0] if rows else None
+    main = main_fingerprint(fingerprints.elements())
     step = max((r["outer_step"] for r in rows if r["fingerprint"] == main), default=0)
     header = f"run {run}: {len(rows)} live peer(s), outer step {step}"
     keepers = [r for r in rows if r["phase"] == "keeping"]
@@ -80,7 +86,7 @@ def format_run(run: str, rows: list[dict]) -> str:
     if len(fingerprints) > 1:
         header += f" ({sum(fingerprints.values()) - fingerprints[main]} peer(s) on other settings: they never average " \
                   f"with the others)"
-    cells = [[peer_cells(r, main)[column] for column in COLUMNS] for r in rows]
+    cells = [list(peer_cells(r, main).values()) for r in rows]
     widths = [max(len(c) for c in column) for column in zip(COLUMNS, *cells)]
     lines = [header, "  ".join(h.ljust(w) for h, w in zip(COLUMNS, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
@@ -90,13 +96,10 @@ def format_run(run: str, rows: list[dict]) -> str:
 def tokens_per_sample(statuses: dict) -> int:
     """``data.seq_len`` of the run's most common settings, from a record whose settings match its fingerprint
     (1 when none does)."""
-    fingerprints = Counter(s.record.fingerprint for s in statuses.values())
-    for fingerprint, _ in fingerprints.most_common(1):
-        for s in statuses.values():
-            if s.record.fingerprint == fingerprint and s.settings_trusted:
-                seq_len = s.record.settings.get("data.seq_len")
-                return seq_len if isinstance(seq_len, int) and seq_len > 0 else 1
-    return 1
+    main = main_fingerprint(s.record.fingerprint for s in statuses.values())
+    trusted = next((s for s in statuses.values() if s.record.fingerprint == main and s.settings_trusted), None)
+    seq_len = None if trusted is None else trusted.record.settings.get("data.seq_len")
+    return seq_len if isinstance(seq_len, int) and seq_len > 0 else 1
 
 
 def read_runs(dht, run: Optional[str] = None, max_runs: Optional[int] = None) -> list[dict]:

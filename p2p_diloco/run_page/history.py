@@ -13,9 +13,11 @@ goes, so a run of weeks keeps its whole span at a coarser step while the memory 
 from __future__ import annotations
 
 import statistics
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from p2p_diloco.status_command import main_fingerprint
 
 MAX_POINTS = 1024  # per series: thinned by half when full
 MAX_TRACKED_PEERS = 10_000  # peers whose samples the run's token count follows; older ones are folded in
@@ -88,12 +90,6 @@ def _median(values: list) -> Optional[float]:
     return float(statistics.median(values)) if values else None
 
 
-def main_fingerprint(rows: list[dict]) -> Optional[str]:
-    """The settings fingerprint most of the run's live peers train with."""
-    counts = Counter(r["fingerprint"] for r in rows)
-    return counts.most_common(1)[0][0] if counts else None
-
-
 class RunHistory:
     """The page's memory of one run: its series, its token count and the latest summary."""
 
@@ -105,7 +101,7 @@ class RunHistory:
 
     def observe(self, rows: list[dict], tokens_per_sample: int, now: float) -> None:
         """One reading of the run's live peers (`rows`, as ``status --json`` has them)."""
-        fingerprint = main_fingerprint(rows)
+        fingerprint = main_fingerprint(r["fingerprint"] for r in rows)
         ours = [r for r in rows if r["fingerprint"] == fingerprint]
         trainers = [r for r in ours if r["phase"] != KEEPING]
         keepers = [r for r in ours if r["phase"] == KEEPING]

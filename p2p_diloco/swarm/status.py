@@ -121,13 +121,13 @@ def first_status(fingerprint: str, settings: dict[str, Any], reachability: str, 
     """A peer's first status record, less its time. Every field of :class:`StatusValue` is in it, defaults
     too: hivemind's schema check on every DHT node refuses a record that parsing would change, and a
     field filled in with its default is such a change (a missing ``stored_step`` made every status record
-    malformed)."""
+    malformed): the optional fields are filled in from the schema's own defaults."""
     from p2p_diloco import __version__
 
-    return dict(outer_step=0, phase=STARTING, inner_steps=0, samples_per_s=0.0, loss=None, reachability=reachability,
-                version=__version__, device=device[:64], uptime_s=0.0, data_shard=None, fingerprint=fingerprint,
-                settings=settings, stored_step=None, ranks=ranks, samples=0, rounds=0, group_size=0, sync_bytes=0,
-                utilization=None, rounds_not_applied=0, eval_loss=None, eval_step=None)
+    defaults = {name: field.default for name, field in StatusValue.__fields__.items() if not field.required}
+    return dict(defaults, outer_step=0, phase=STARTING, inner_steps=0, samples_per_s=0.0, loss=None,
+                reachability=reachability, version=__version__, device=device[:64], uptime_s=0.0, data_shard=None,
+                fingerprint=fingerprint, settings=settings, ranks=ranks)
 
 
 class StatusPublisher:

@@ -230,12 +230,20 @@ class Island:
     def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              state: Optional[dict]) -> None:
         """Rank 0's `state` (keyed as :meth:`optimizer_state` returns it) into every rank's optimizer, its
-        tensors broadcast from rank 0 (each rank keeps its shard with FSDP2). A collective."""
+        tensors broadcast from rank 0 (each rank keeps its shard with FSDP2). A collective.
+
+        The lr stays each rank's own: its schedule owns it, and the state carries the lr of the step it was
+        saved at. Rank 0 loads it at its first push, after its schedule may have moved on to the run's
+        position (a state loaded from the run right after the restore); the others fast-forward theirs
+        after this."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         names = _trainable_names(model)
+        schedule_lrs = [group["lr"] for group in optimizer.param_groups]
         set_optimizer_state_dict(model, optimizer, _keyed_by_name(state, names) if self.is_lead else {},
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for group, lr in zip(optimizer.param_groups, schedule_lrs):
+            group["lr"] = lr
 
     def stop_others(self, reason: str) -> None:
         """Rank 0 tells the other ranks to exit; a dead rank's broken connection is ignored."""
@@ -322,13 +330,7 @@ class IslandLead:
         self.island.push_params([self._model_params[i] for i in indices],
                                 [self.params[i] for i in indices] if self.island.shard else None)
         if self._pending_optimizer is not None:
-            optimizer = self._pending_optimizer[0]
-            # the loaded state carries the checkpoint's lr; rank 0's schedule may have moved on since (a state
-            # loaded from the run after the restore), as the other ranks' does after this push
-            schedule_lrs = [group["lr"] for group in optimizer.param_groups]
             self.island.load_optimizer_state(self.model, *self._pending_optimizer)
-            for group, lr in zip(optimizer.param_groups, schedule_lrs):
-                group["lr"] = lr
         self._pending_steps, self._pending_indices, self._pending_optimizer = None, set(), None
 
     def before_step(self) -> None:
