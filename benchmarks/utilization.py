@@ -28,8 +28,10 @@ Variants (names for --variants; [outer] settings, see p2p_diloco/config.py):
 - `streaming`: codec none, P fragments (P = 2 for the 2-layer demo model, 4 for the 15M one), blocking;
 - `streaming-overlap-4bit`: codec fp4-e3m0 with error feedback, P fragments, sync_delay 5, merge_alpha 0.5;
 - `overlap-max-4bit`: the same with one fragment and the longest overlap, sync_delay H − 1;
-- `defaults`: the shipped [outer] defaults.
-Every variant but `defaults` starts from DiLoCo's blocking fp32 sync (DILOCO) and changes what it names.
+- `defaults`: the shipped [outer] defaults;
+- `defaults-no-ahead`: the same with ``swarm.match_ahead = false`` (a peer says it is ready only once its
+  Δ is taken, as before issue 24).
+Every variant but the two `defaults` starts from DiLoCo's blocking fp32 sync (DILOCO) and changes what it names.
 
 Per setting and peer, from its metrics file (`outer_step` records):
 - utilization after the first outer step: Σ inner seconds / Σ wall seconds of records 2..end (the
@@ -44,7 +46,9 @@ Per setting and peer, from its metrics file (`outer_step` records):
 - whether every peer recorded every outer step with a full group and one θ_global hash, and the
   rounds that failed or were skipped, and state downloads, if any.
 
-It prints a Markdown table and writes results.json, and per setting the run config, the peers'
+It prints a Markdown table, then where each variant's sync seconds went (the median per phase of each
+peer's ``sync_phases``: waiting for groupmates, matchmaking, waiting for a late member's Δ, the all-reduce,
+the reports, the audit; and the lead in inner steps), and writes results.json, and per setting the run config, the peers'
 metrics and logs, under --out. Each setting's peers, with every child process they were seen to
 have, are stopped by PID before the next setting starts; the bootstrap node after the layout's last.
 """
@@ -143,7 +147,13 @@ def variants(codecs: list[str], fragments: int) -> dict[str, dict]:
     table["streaming-overlap-4bit"] = {**DILOCO, **overlap_4bit, "fragments": fragments, "sync_delay": 5}
     table["overlap-max-4bit"] = {**DILOCO, **overlap_4bit, "sync_delay": 1000}  # lowered to H − 1
     table["defaults"] = {}
+    table["defaults-no-ahead"] = {}  # with SWARM_SETTINGS' change
     return table
+
+
+# variants that change [swarm] settings too (each peer's own, outside the run's fingerprint)
+SWARM_SETTINGS = {"defaults-no-ahead": {"match_ahead": False}}
+PHASES = ("wait", "match", "late", "allreduce", "commit", "audit")  # an outer_step record's sync_phases
 
 
 def count_parameters(config: Path) -> int:
@@ -337,6 +347,12 @@ def analyse(run_dir: Path, num_peers: int, outer_steps: int, fragments: int) -> 
             inner_steps_per_h=round(inner_steps[-1] * fragments / len(steps), 1) if steps else None,
             steps_while_syncing=sum(r.get("steps_while_syncing", 0) for r in steps),
             group_sizes=sorted({r["group_size"] for r in steps}),
+            # where each sync's seconds went (records 2..end, the median per phase), and the inner steps it
+            # trained after saying it was ready (train/match_ahead.py), and each sync's blocked seconds
+            phases={phase: statistics.median(r["sync_phases"].get(phase, 0.0) for r in later)
+                    for phase in PHASES} if later and all("sync_phases" in r for r in later) else None,
+            lead_steps=statistics.mean(r.get("lead_steps", 0) for r in later) if later else None,
+            blocked_per_sync=statistics.median(r["blocked_seconds"] for r in later) if later else None,
         )
     one_hash = (sorted(by_step) == list(range(1, expected_steps + 1))
                 and all(len(v) == num_peers and len(set(v)) == 1 and v[0][1] == num_peers for v in by_step.values()))
@@ -380,6 +396,18 @@ def table(results: list[dict]) -> str:
             f"{mean_range([p['mb_per_h'] for p in peers], '.2f')} ({r['expected_mb_per_h']:.2f}) | "
             f"{max((p['peak_mb_per_sync'] for p in peers if p['peak_mb_per_sync'] is not None), default=0):.2f} | "
             f"{sum(p['steps_while_syncing'] for p in peers)} | {agreement} |")
+    return "\n".join(rows)
+
+
+def phase_table(results: list[dict]) -> str:
+    """Where the syncs' seconds went: per variant, the mean over peers of each peer's median per phase."""
+    rows = ["| layout | variant | lead inner steps | " + " | ".join(f"{phase} s" for phase in PHASES) +
+            " | blocked s per sync |", "|---|---|---:|" + "---:|" * (len(PHASES) + 1)]
+    for r in results:
+        peers = list(r["analysis"]["peers"].values())
+        cells = [mean_range([p["phases"][phase] if p["phases"] else None for p in peers], ".2f") for phase in PHASES]
+        rows.append(f"| {r['layout']} | {r['variant']} | {mean_range([p['lead_steps'] for p in peers], '.1f')} | "
+                    + " | ".join(cells) + f" | {mean_range([p['blocked_per_sync'] for p in peers], '.2f')} |")
     return "\n".join(rows)
 
 
@@ -436,6 +464,7 @@ def layout_configs(layout: str, args, out: Path, skipped: dict) -> tuple[dict, d
         raw = json.loads(json.dumps(base))
         raw["run"]["name"] = f"util-{layout}-{name}"
         raw["outer"].update(outer)
+        raw.setdefault("swarm", {}).update(SWARM_SETTINGS.get(name, {}))
         config = write_toml(raw, run_dir / "run.toml")
         try:
             load_config(config)
@@ -499,6 +528,8 @@ def main() -> int:
         print(f"- skipped {what}: {why}")
     print()
     print(table(results))
+    print()
+    print(phase_table(results))
     return 0 if results else 1
 
 

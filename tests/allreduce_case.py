@@ -7,6 +7,9 @@ reads ``CASE_DIR/inputs.pt``: ``{"rounds": [{"inputs": one list of tensors per p
 order, ``"dead"`` for a peer ID that no node holds, "members": optional, the peer indices the plan names
 (all of them if absent), "delays": optional, the seconds each peer waits before it averages,
 "relay_group": optional, every peer's ``swarm.relay_group_size`` (0 if absent: a flat round),
+"hand_over": optional, per peer None (its Δ is there when it asks for a group), a number of seconds (the
+round is matched ahead of its Δ, handed over that long after), or ``"abandon"`` (it stops instead, 0.5 s
+after: :class:`~p2p_diloco.sync.outer_sync.PendingDelta`),
 "outer_step": optional, the step the peers average toward the next of (the round's index if absent)}, ...],
 "samples": one int per peer,
 "error_feedback": bool}``. It
@@ -49,7 +52,7 @@ from p2p_diloco.node_runner import setup_logging
 from p2p_diloco.swarm.node import start_run_node, visible_maddrs
 from p2p_diloco.sync.exact_allreduce import ExactAllReduceRunner
 from p2p_diloco.sync.membership import Membership
-from p2p_diloco.sync.outer_sync import OuterSync, RoundFailed
+from p2p_diloco.sync.outer_sync import OuterSync, PendingDelta, RoundFailed
 from p2p_diloco.train.error_feedback import ErrorFeedback
 
 # about the timeouts of the tests' tiny run (tests/conftest.py): one round is over, or failed, within ~80 s
@@ -139,7 +142,8 @@ def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: l
         to_send[i] = ef.compensate(indices, delta) if ef is not None else delta
         time.sleep(round_.get("delays", [0.0] * peers)[i])
         try:
-            results[i] = syncs[i].average(to_send[i], samples[i], outer_step=step, global_sha256=round_["starts"][i],
+            results[i] = syncs[i].average(pending(to_send[i], round_.get("hand_over", [None] * peers)[i]), samples[i],
+                                          outer_step=step, global_sha256=round_["starts"][i],
                                           membership=planned(syncs, round_.get("leaders"), round_.get("members")))
         except RoundFailed as e:  # reported to the test; the Δ stays owed
             owed[i], errors[i] = delta, repr(e)
@@ -170,7 +174,21 @@ def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: l
         "errors": errors,
         "to_send": to_send,
         "counted": [r.sent if r is not None else None for r in results],
+        "phases": [r.phases if r is not None else None for r in results],
     }
+
+
+def pending(to_send: list, hand_over) -> "list | PendingDelta":
+    """`to_send` as a peer's inner loop gives it to a round: at once (`hand_over` None), or to a round that
+    begins without it, handed over `hand_over` seconds later or abandoned (``"abandon"``) after 0.5 s."""
+    if hand_over is None:
+        return to_send
+    delta = PendingDelta()
+    if hand_over == "abandon":
+        threading.Timer(0.5, delta.abandon).start()
+    else:
+        threading.Timer(hand_over, delta.hand_over, args=(to_send,)).start()
+    return delta
 
 
 DEAD_PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # a well-formed peer ID that no node here holds

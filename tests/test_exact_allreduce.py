@@ -116,6 +116,34 @@ def test_weighted_mean_is_bit_identical_on_all_peers(codec, tmp_path):
     assert sent_per_value == pytest.approx(bytes_per_parameter(codec), rel=0.15), codec
 
 
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_a_round_matched_ahead_of_a_delta_waits_for_it_and_ends_when_it_is_abandoned(tmp_path):
+    """train/match_ahead.py: a peer asks for its group before its Δ is taken. Its group forms and waits for the
+    Δ; the mean is the same bits on every peer and the same weighted mean as a round without the lead. A round
+    whose every member abandons its Δ (the peers stop) ends with no tensor moved, not at a timeout."""
+    peers, codec = 3, "fp4-e3m0"
+    generator = torch.Generator().manual_seed(1)
+    inputs = [[torch.randn(s, generator=generator) * 1e-2 for s in SHAPES] for _ in range(peers)]
+    samples = [16, 48, 160]
+    late = {"inputs": inputs, "starts": [START] * peers, "leaders": [0, 1, 2], "hand_over": [1.5, None, 0.5]}
+    abandoned = {**late, "hand_over": ["abandon"] * peers, "outer_step": 7}
+    case = run_case(codec, {"rounds": [late, abandoned], "samples": samples}, tmp_path)
+    matched, gone = case["rounds"]
+
+    assert matched["errors"] == [None] * peers, matched["errors"]
+    assert len(set(matched["mean_sha256"])) == 1 and matched["group_size"] == [peers] * peers
+    expected = [sum(w * x[j].double() for w, x in zip(samples, inputs)) / sum(samples) for j in range(len(SHAPES))]
+    for j, want in enumerate(expected):
+        coded_inputs = sum(w * largest_bound(codec, x[j]) for w, x in zip(samples, inputs)) / sum(samples)
+        error = (matched["means"][0][j].double() - want).abs().max().item()
+        assert error <= 2 * coded_inputs + largest_bound(codec, want) + 1e-8, (j, error)
+    # the group formed before peer 0 handed its Δ over: the others waited for it, not for the group
+    assert all(set(phases) == {"match", "late", "allreduce", "commit", "audit"} for phases in matched["phases"])
+    assert matched["phases"][0]["late"] > 0
+    assert all("stopped before its pseudo-gradient was taken" in error for error in gone["errors"]), gone["errors"]
+
+
 def part_starts(container: TensorPartContainer, tensor: int | None = None) -> list[int]:
     """Where each part of the container (of `tensor`, if given) starts, in values from its tensor's
     start (parts are views), in order."""

@@ -79,6 +79,9 @@ def test_two_peers_match_the_streaming_oracle(tmp_path, sync_delay, merge_alpha)
         assert [r["group_size"] for r in records] == [2] * outer_steps
         # the averager's matchmaking alone lasts matchmaking_time (2 s): the τ inner steps run meanwhile
         assert sum(r["steps_while_syncing"] for r in records) >= (outer_steps if sync_delay else 0)
+        # from the second round on each peer said it was ready an inner step before its Δ (train/match_ahead.py:
+        # half a round of 3 at most), and the swarm still matches the oracle
+        assert all(r["lead_steps"] == 1 for r in records[1:]), [r["lead_steps"] for r in records]
         if not sync_delay:
             assert all(r["steps_while_syncing"] == 0 for r in records)
 

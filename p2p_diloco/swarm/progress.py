@@ -35,6 +35,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from p2p_diloco.polling import poll_intervals
 from p2p_diloco.remote_input import warn_once
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
 from p2p_diloco.swarm.records import (
@@ -219,7 +220,7 @@ class SwarmProgress:
                 return seen
 
     def wait_for_groupmates(
-        self, outer_step: int, timeout: float, stop: threading.Event, poll: float = 0.5
+        self, outer_step: int, timeout: float, stop: threading.Event, poll: float = 0.5, first_poll: float = 0.05
     ) -> dict[str, PeerProgress]:
         """Wait until no live peer is still on its way to averaging toward `outer_step + 1`: training or
         loading the state at `outer_step`, or still committing the round that brings it there (its
@@ -232,6 +233,7 @@ class SwarmProgress:
         still read the round's reports.
         """
         deadline = time.monotonic() + timeout
+        intervals = poll_intervals(first_poll, poll)  # the last groupmates are often a moment away
         announced: set[str] = set()
         silent = SilentPeers(self.answering)
         while True:
@@ -253,7 +255,7 @@ class SwarmProgress:
                 logger.warning("outer step %d: going ahead without groupmates not ready after %.0f s: %s",
                                outer_step + 1, timeout, describe_peers(busy))
                 return records
-            if stop.wait(poll):
+            if stop.wait(next(intervals)):
                 return records
 
 

@@ -22,12 +22,13 @@ import secrets
 import signal
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from hivemind import DHT
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.matchmaking import MatchmakingException
 
 from p2p_diloco.config import SwarmConfig
@@ -59,6 +60,8 @@ class GroupMean:
     # round trip, on the parts it reduced itself too), when asked for: what error feedback subtracts
     sent: Optional[list[torch.Tensor]] = None
     attempt: int = 1  # which attempt of the step's round this is (train/round_sync.py retries without failed members)
+    # where the round's seconds went, by phase (:class:`RoundTimes`; round_sync adds the wait for groupmates)
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def peer_ids(self) -> list[str]:
@@ -66,6 +69,59 @@ class GroupMean:
 
 
 LEFT_BEHIND_POLL_S = 1.0  # how often a peer still matching reads whether its group went on without it
+ROUND_POLL_S = 0.05  # how often a peer waiting for its round looks at it (cancels, and when its group formed)
+ASSEMBLED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)  # its group is formed
+
+
+class PendingDelta:
+    """What this peer sends in a round (its fragment's Δ; with error feedback, plus the residual it owes),
+    handed over by the inner loop once it is taken. A round matched ahead of its Δ
+    (:mod:`p2p_diloco.train.match_ahead`) forms its group meanwhile, and its all-reduce begins once the Δ is
+    here; a peer that stops before then abandons it. Made with `tensors`, it is here already."""
+
+    def __init__(self, tensors: Optional[Sequence[torch.Tensor]] = None):
+        self.tensors: Optional[list[torch.Tensor]] = None
+        self._settled = threading.Event()
+        if tensors is not None:
+            self.hand_over(tensors)
+
+    def hand_over(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        self._settled.set()
+
+    def abandon(self) -> None:
+        """The inner loop stopped before the Δ was taken: the round gets none."""
+        self._settled.set()
+
+    @property
+    def settled(self) -> bool:
+        """Handed over or abandoned."""
+        return self._settled.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._settled.wait(timeout)
+
+
+@dataclass
+class RoundTimes:
+    """When the phases of one attempt at a round ended (``time.monotonic()``), for the metrics' breakdown."""
+
+    started: float  # the averager was asked for a group
+    assembled: Optional[float] = None  # the group formed (first seen)
+    handed_over: Optional[float] = None  # this peer's Δ was there and its all-reduce allowed to begin
+    reduced: Optional[float] = None  # the all-reduce ended
+    agreed: Optional[float] = None  # every groupmate's report agreed
+    audited: Optional[float] = None  # every reducer passed its audit
+
+    def phases(self) -> dict[str, float]:
+        """Seconds per phase: `match` (asked → group formed), `late` (the group waited for this peer's Δ),
+        `allreduce` (from when both were there), `commit` (the groupmates' reports), `audit` (this peer's
+        audits and the other auditors' verdicts)."""
+        assembled = self.assembled if self.assembled is not None else self.handed_over
+        begun = max(assembled, self.handed_over)
+        return {name: round(max(seconds, 0.0), 4) for name, seconds in dict(
+            match=assembled - self.started, late=self.handed_over - assembled,
+            allreduce=self.reduced - begun, commit=self.agreed - self.reduced, audit=self.audited - self.agreed).items()}
 
 
 class RoundFailed(RuntimeError):
@@ -222,7 +278,7 @@ class OuterSync:
 
     def average(
         self,
-        pseudo_gradient: Sequence[torch.Tensor],
+        pseudo_gradient: Union[Sequence[torch.Tensor], PendingDelta],
         samples: int,
         outer_step: int,
         global_sha256: str,
@@ -243,12 +299,19 @@ class OuterSync:
         averaged bytes than it states it sent everyone, or this peer's audit found its result wrong) is
         banned from this peer's groups. With `record_sent` the result's ``sent`` holds what the group
         counted of `pseudo_gradient`: the codec's round trip of each of its parts.
+
+        `pseudo_gradient` may be a :class:`PendingDelta` that the inner loop has not handed over yet: the
+        group is formed meanwhile, and the all-reduce begins once it is there (`samples` then counts what
+        it will hold). The result's ``phases`` say where the round's seconds went.
         """
         stop = stop or threading.Event()
+        delta = pseudo_gradient if isinstance(pseudo_gradient, PendingDelta) else PendingDelta(pseudo_gradient)
         token = secrets.token_hex(8)  # names this attempt in the group's round reports
+        times = RoundTimes(started=time.monotonic())
         try:
-            result = self._all_reduce(pseudo_gradient, samples, outer_step, global_sha256, fragment, token, stop,
-                                     membership, left_behind)
+            result = self._all_reduce(delta, samples, outer_step, global_sha256, fragment, token, stop,
+                                     membership, left_behind, times)
+            times.reduced = time.monotonic()
             digests = self.averager.round_digests(token, timeout=self.cfg.commit_timeout)
             if digests is None:
                 raise RoundFailed("the averager holds no record of what travelled in the round", tensors_touched=True)
@@ -263,9 +326,12 @@ class OuterSync:
                                            received=digests.outputs, relayed=digests.relayed)
         if void is not None and void.culprit is not None:
             self.averager.ban(void.culprit, "different averaged parts to different peers", void.reason)
+        times.agreed = time.monotonic()
         void = void or self._audit(outer_step, token, digests, reports, report, stop)
         if void is not None:
             raise RoundFailed(f"round void: {void}", tensors_touched=True)
+        times.audited = time.monotonic()
+        result.phases = times.phases()
         return result
 
     def _audit(self, outer_step: int, token: str, digests: RoundDigests, reports: dict[str, RoundReport],
@@ -293,14 +359,14 @@ class OuterSync:
         return self.reports.audited(outer_step, digests.tokens, others, 2 * timeout, stop) if others else None
 
     def _all_reduce(
-        self, pseudo_gradient, samples: int, outer_step: int, global_sha256: str, fragment: int, token: str,
-        stop: threading.Event, membership: Optional[Membership], left_behind: Callable[[], bool],
+        self, delta: PendingDelta, samples: int, outer_step: int, global_sha256: str, fragment: int, token: str,
+        stop: threading.Event, membership: Optional[Membership], left_behind: Callable[[], bool], times: RoundTimes,
     ) -> GroupMean:
         self.averager.set_group_bits(group_bits(outer_step))
         indices = self.averager.fragments[fragment]
-        with self.averager.get_tensors() as buffers:
-            for i, delta in zip(indices, pseudo_gradient):
-                buffers[i].copy_(delta)
+        ahead = not delta.settled  # matched ahead of the Δ: the all-reduce waits for its hand-over
+        if not ahead:
+            self._load(indices, delta, times)
         timeout = round_timeout(self.cfg)
         if membership is not None:
             self.averager.plan_members(token, membership.members)
@@ -311,10 +377,13 @@ class OuterSync:
             weight=float(samples),
             timeout=timeout,
             allow_retries=False,  # a retry after a broken all-reduce would average half-averaged values
+            require_trigger=ahead,
             wait=False,
         )
-        gathered = self._wait(control, stop.is_set, left_behind,
-                              deadline=time.monotonic() + timeout + self.cfg.allreduce_timeout)
+        deadline = time.monotonic() + timeout + self.cfg.allreduce_timeout
+        if ahead:
+            self._hand_over(control, delta, indices, stop, times, deadline)
+        gathered = self._wait(control, stop.is_set, left_behind, deadline, times)
         if gathered is None:
             raise RoundFailed("no group formed", tensors_touched=False)
         metadata = {}
@@ -338,11 +407,38 @@ class OuterSync:
             sent=sent,
         )
 
-    def _wait(self, control, should_stop: Callable[[], bool], left_behind: Callable[[], bool], deadline: float):
+    def _load(self, indices: Sequence[int], delta: PendingDelta, times: RoundTimes) -> None:
+        """Put the handed-over Δ into the averager's tensors of the fragment (`indices`)."""
+        with self.averager.get_tensors() as buffers:
+            for i, tensor in zip(indices, delta.tensors):
+                buffers[i].copy_(tensor)
+        times.handed_over = time.monotonic()
+
+    def _hand_over(self, control, delta: PendingDelta, indices: Sequence[int], stop: threading.Event,
+                   times: RoundTimes, deadline: float) -> None:
+        """While the group forms, wait for the inner loop to hand the Δ over, then let the all-reduce begin.
+        A peer that stops first, or whose Δ does not come by `deadline`, leaves the round before any tensor
+        moves (its groupmates see a member fail, as when a peer leaves mid-round)."""
+        while not delta.wait(ROUND_POLL_S):
+            if times.assembled is None and control.stage in ASSEMBLED:
+                times.assembled = time.monotonic()
+            if stop.is_set() or time.monotonic() > deadline:
+                break
+        if delta.tensors is None:
+            control.cancel()
+            raise RoundFailed("this peer stopped before its pseudo-gradient was taken" if delta.settled or stop.is_set()
+                              else "this peer's pseudo-gradient did not come in time", tensors_touched=False)
+        self._load(indices, delta, times)
+        control.allow_allreduce()
+
+    def _wait(self, control, should_stop: Callable[[], bool], left_behind: Callable[[], bool], deadline: float,
+              times: RoundTimes):
         """Wait for the round, polling `should_stop` so that Ctrl+C cancels it within a second, and until the
-        all-reduce begins, `left_behind` once a second."""
+        all-reduce begins, `left_behind` once a second; `times` gets the moment the group was seen formed."""
         next_look = time.monotonic()
         while True:
+            if times.assembled is None and (control.stage in ASSEMBLED or control.done()):
+                times.assembled = time.monotonic()
             if should_stop() and control.cancel():
                 raise RoundFailed("cancelled: this peer is stopping", tensors_touched=control.began_allreduce)
             if not control.began_allreduce and time.monotonic() >= next_look:
@@ -352,7 +448,7 @@ class OuterSync:
             if time.monotonic() > deadline and control.cancel():  # the averager never answered: do not hang
                 raise RoundFailed("the averager did not finish the round in time", tensors_touched=True)
             try:
-                return control.result(timeout=0.5)
+                gathered = control.result(timeout=ROUND_POLL_S)
             except concurrent.futures.TimeoutError:
                 continue
             except MatchmakingException as e:  # hivemind wraps a broken all-reduce (PartialRoundError too) in this
@@ -361,6 +457,8 @@ class OuterSync:
                 raise RoundFailed("cancelled", tensors_touched=control.began_allreduce) from e
             except Exception as e:  # hivemind raises a handful of types for a round that never formed
                 raise RoundFailed(f"no group formed: {e!r}", tensors_touched=False) from e
+            times.assembled = times.assembled or time.monotonic()
+            return gathered
 
     def set_state_priority(self, priority: float) -> None:
         """Joiners download from the peer with the highest priority first (a client serves no state)."""

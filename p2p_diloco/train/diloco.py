@@ -40,7 +40,8 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -56,7 +57,7 @@ from p2p_diloco.swarm.progress import (
 )
 from p2p_diloco.swarm.records import RecordPublisher, assistance_key
 from p2p_diloco.swarm.status import EXCLUDED_AFTER_ROUNDS, StatusPublisher, choose_shard, read_status, settings_mismatch
-from p2p_diloco.sync.outer_sync import GroupMean, OuterSync
+from p2p_diloco.sync.outer_sync import GroupMean, OuterSync, PendingDelta
 from p2p_diloco.sync.robust import aggregation_rule
 from p2p_diloco.sync.state_store import StateStore, StoreError, StoreWriter
 from p2p_diloco.sync.state_transfer import GlobalState, StateExpectation, download_global_state, nobody_serves
@@ -68,6 +69,7 @@ from p2p_diloco.train.fragments import model_fragments
 from p2p_diloco.train.inner import InnerTrainer
 from p2p_diloco.train.island import IslandLead, SoloIsland
 from p2p_diloco.train.local_work import LocalWork
+from p2p_diloco.train.match_ahead import MatchLead
 from p2p_diloco.train.model import evaluate_loss
 from p2p_diloco.train.outer import GlobalModel
 from p2p_diloco.train.peer_view import PeerView
@@ -84,7 +86,17 @@ KEEP_POLL_S = 2.0  # how often the keeper reads the run's records
 HANDOVER_S = 3 * KEEP_POLL_S  # how long a leaving peer waits for a keeper that lacks its state
 HANDOVER_POLL_S = 0.5
 
-ROUND_CHECK_PERIOD_S = 1.0  # how often the inner loop looks whether the swarm is ready to average
+ROUND_CHECK_PERIOD_S = 0.5  # how often the inner loop looks whether the swarm is ready to average
+
+
+@dataclass
+class AnnouncedRound:
+    """A round this peer said it is ready for, whose sync runs while its Δ is not yet handed over."""
+
+    samples: int  # the samples its Δ will hold, as announced (the weight the group counts)
+    lead_steps: int  # inner steps it trains after announcing
+    delta: PendingDelta
+    sync: concurrent.futures.Future  # the round's SyncOutcome
 
 
 class RunSettingsMismatch(RuntimeError):
@@ -200,6 +212,10 @@ class DiLoCoPeer:
                               aggregation=aggregation_rule(cfg.outer), takes_pushed_states=keeper)
         self._push_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="state-push")
         self._push: Optional[concurrent.futures.Future] = None
+        # how many inner steps before its Δ is taken the peer says it is ready (train/match_ahead.py)
+        self.match_lead = MatchLead(cfg.swarm.match_ahead, max_s=cfg.swarm.next_chunk_timeout / 2)
+        self._announced: Optional[AnnouncedRound] = None  # the round whose sync began, until its Δ is handed over
+        self._step_samples = 0  # samples of the last inner step (every batch is whole: each step counts as many)
         self.round_sync = RoundSync(self.progress, self.sync, self.peer_id, node.reachability.mode,
                                     cfg.swarm.round_wait_timeout, self.stop_event, cfg.swarm.round_attempts)
 
@@ -351,62 +367,88 @@ class DiLoCoPeer:
 
     def _round(self) -> None:
         """Inner steps until this outer step's fragment is due, then its sync (:meth:`_sync`), then the outer
-        step if the sync ended with the group's mean."""
+        step if the sync ended with the group's mean. The sync starts when the peer says it is ready, up to
+        :class:`~p2p_diloco.train.match_ahead.MatchLead` inner steps before its Δ is taken."""
         step = self.global_model.outer_step
         fragment = self.schedule.fragment_at(step)
         self.progress.publish(step, self.sha256, TRAINING, self.local.contribution.samples(fragment))
-        if not self._train_round(step):
+        if not self._train_round(step, fragment):
+            if self._announced is not None:  # the sync began ahead of a Δ that will not come
+                self._announced.delta.abandon()
+                self._announced.sync.result()  # bounded: the stop event ends its waits
+                self._announced = None
             return
+        if self._announced is None:
+            self._announce(step, fragment, 0)
+        announced, self._announced = self._announced, None
         samples = self.local.contribution.samples(fragment)
-        self.progress.publish(step, self.sha256, READY, samples)
+        if samples != announced.samples:  # its batches are whole: each inner step counts the same samples
+            logger.warning("outer step %d: %d samples in the pseudo-gradient, %d announced", step + 1, samples,
+                           announced.samples)
         self.view.syncing()
         indices = self.schedule.fragments[fragment]
         self.island.pull()
         to_send = self.local.to_send(indices, self.global_model.pseudo_gradient(self.local_params, indices))
-        outcome, steps_while_syncing = self._sync(
-            functools.partial(self.round_sync, step, fragment, to_send, samples, self.sha256))
+        announced.delta.hand_over(to_send)
+        outcome, steps_while_syncing = self._sync(announced.sync)
         for reason in outcome.failed_attempts:  # the round was tried again without the members that failed
             self.metrics.write("attempt_failed", outer_step=step, reason=reason)
         if outcome.result is not None:
+            self.match_lead.record(outcome.result.phases.get("match", 0.0))
             outcome = self._checked(outcome, indices)
         if outcome.result is not None:
-            self._apply(outcome.result, fragment, samples, steps_while_syncing, to_send)
+            self._apply(outcome.result, fragment, samples, steps_while_syncing, to_send, announced.lead_steps)
         else:
             self._not_applied(step, outcome)
         self.view.training(outer_step=self.global_model.outer_step)
 
-    def _sync(self, sync: Callable[[], SyncOutcome]) -> tuple[SyncOutcome, int]:
-        """Run `sync`: blocking (τ = 0), or in the background while the next τ inner steps run (Streaming
-        DiLoCo's overlap, arXiv 2501.18512 §2.2). Returns its outcome and how many of those inner steps
-        ended before it did."""
+    def _announce(self, step: int, fragment: int, steps_left: int) -> None:
+        """Say this peer is ready to average for `step` and start the round's sync: its Δ will be taken
+        after `steps_left` more inner steps (each counting as many samples as the last one did)."""
+        samples = self.local.contribution.samples(fragment) + steps_left * self._step_samples
+        self.progress.publish(step, self.sha256, READY, samples)
+        delta = PendingDelta()
+        sync = self._sync_thread.submit(self.round_sync, step, fragment, delta, samples, self.sha256)
+        self._announced = AnnouncedRound(samples, steps_left, delta, sync)
+
+    def _sync(self, in_flight: concurrent.futures.Future) -> tuple[SyncOutcome, int]:
+        """The outcome of the sync in flight: waited for at once (τ = 0), or after the next τ inner steps ran
+        (Streaming DiLoCo's overlap, arXiv 2501.18512 §2.2), with how many of those ended before it did."""
         if not self.schedule.sync_delay:
-            return sync(), 0
+            return in_flight.result(), 0  # bounded: every wait inside the sync has its timeout
         steps_while_syncing = 0
-        in_flight = self._sync_thread.submit(sync)
         while self.local.steps_ahead < self.schedule.sync_delay and self._train_steps(1):
             self.local.steps_ahead += 1
             steps_while_syncing += not in_flight.done()  # this step ended before the sync did
-        return in_flight.result(), steps_while_syncing  # bounded: every wait inside the sync has its timeout
+        return in_flight.result(), steps_while_syncing
 
-    def _train_round(self, step: int) -> bool:
+    def _train_round(self, step: int, fragment: int) -> bool:
         """The inner steps of outer step `step` (those run during the last sync count); False if stopping.
 
-        The fastest peer at this step decides when the round ends: once one is ready, all stop. Slower
-        peers then contribute the inner steps they managed, weighted by their samples, so a slow
-        volunteer never makes the others wait for its full H/P steps.
+        The peer says it is ready (:meth:`_announce`) its :class:`MatchLead` of inner steps before the last,
+        so that its group forms while it trains them. The fastest peer at this step decides when the round
+        ends: once one is ready, the others announce too and stop after their own lead. Slower peers then
+        contribute the inner steps they managed, weighted by their samples, so a slow volunteer never makes
+        the others wait for its full H/P steps.
         """
         steps_this_round, self.local.steps_ahead = self.local.steps_ahead, 0
         self.view.round_started(step, self.schedule.steps_per_sync, steps_this_round)
         next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
-        while steps_this_round < self.schedule.steps_per_sync:
+        end = self.schedule.steps_per_sync
+        while steps_this_round < end:
             if self._stopping():
                 return False
-            if steps_this_round and time.monotonic() >= next_check:
+            lead = self.match_lead.steps(self.samples_per_s.step_s(), self.schedule.steps_per_sync)
+            if self._announced is None and steps_this_round and time.monotonic() >= next_check:
                 next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
                 if self.round_sync.round_is_closing(step):
                     logger.info("outer step %d: others are ready; contributing %d inner steps", step + 1,
-                                steps_this_round)
-                    break
+                                steps_this_round + min(lead, end - steps_this_round))
+                    end = min(end, steps_this_round + lead)
+                    if steps_this_round >= end:
+                        break
+            if self._announced is None and end - steps_this_round <= lead:
+                self._announce(step, fragment, end - steps_this_round)
             self._train_steps(1)
             steps_this_round += 1
         return True
@@ -421,6 +463,7 @@ class DiLoCoPeer:
                 loss, n = self.inner.step()
                 faults.after_inner_step()
             self.local.contribution.add(loss, n)
+            self._step_samples = n
             self.samples_per_s.add(n, self.clock.last_step_s)
             self.view.inner_step(loss, n, inner_steps=self.inner.steps_done, samples_per_s=self.samples_per_s.rate(),
                                  loss=self.local.contribution.recent_loss())
@@ -453,9 +496,10 @@ class DiLoCoPeer:
                                reachability=self.reachability.mode)
 
     def _apply(self, result: GroupMean, fragment: int, samples: int, steps_while_syncing: int,
-               to_send: list[torch.Tensor]) -> None:
+               to_send: list[torch.Tensor], lead_steps: int) -> None:
         """The outer step on this fragment of θ_global, merged into θ_local; `samples` were in the peer's Δ,
-        and `to_send` is what it sent (Δ plus the residual it owed)."""
+        `to_send` is what it sent (Δ plus the residual it owed), and `lead_steps` ran after it said it was
+        ready."""
         mean_loss = self.local.contribution.synced(fragment, samples)
         self.rounds_not_applied = 0
         self.groupmates.update(peer for peer in result.tokens if peer != self.peer_id)
@@ -483,6 +527,8 @@ class DiLoCoPeer:
             loss=mean_loss,
             fragment=fragment,
             steps_while_syncing=steps_while_syncing,
+            lead_steps=lead_steps,
+            sync_phases=result.phases,
             global_sha256=self.sha256,
             bytes_sent=traffic.sent,
             bytes_received=traffic.received,

@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from p2p_diloco.swarm.progress import READY, TRAINING, PeerProgress, SwarmProgress, plan_averaging
 from p2p_diloco.swarm.reachability import DIRECT
 from p2p_diloco.sync.membership import plan_membership
-from p2p_diloco.sync.outer_sync import GroupMean, LeftBehind, OuterSync, RoundFailed
+from p2p_diloco.sync.outer_sync import GroupMean, LeftBehind, OuterSync, PendingDelta, RoundFailed
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +71,11 @@ class RoundSync:
         self.stop_event = stop_event
         self._attempts_at: tuple[int, int] = (-1, 0)  # (outer step, attempts made at it so far, in all its rounds)
 
-    def __call__(self, step: int, fragment: int, to_send: list[torch.Tensor], samples: int,
+    def __call__(self, step: int, fragment: int, to_send: Union[list[torch.Tensor], PendingDelta], samples: int,
                  global_sha256: str) -> SyncOutcome:
         """The group's mean of what this peer sends for `fragment` at outer step `step` (its Δ, with error
         feedback plus the residual it owes), among the peers that hold the θ_global `global_sha256`.
+        `to_send` may still be pending (:mod:`p2p_diloco.train.match_ahead`): the round is matched meanwhile.
 
         Never raises for the swarm's sake: a DHT node that is gone (its process stopped with the peer's,
         as a service manager stops every process of a unit at once) ends the round like any failure."""
@@ -84,9 +86,12 @@ class RoundSync:
                 return SyncOutcome(event=ROUND_STOPPED, reason=f"this peer is stopping ({e})")
             return SyncOutcome(event="round_failed", reason=f"this peer's DHT node failed: {e}")
 
-    def _sync(self, step: int, fragment: int, to_send: list[torch.Tensor], samples: int,
+    def _sync(self, step: int, fragment: int, to_send: Union[list[torch.Tensor], PendingDelta], samples: int,
               global_sha256: str) -> SyncOutcome:
+        to_send = to_send if isinstance(to_send, PendingDelta) else PendingDelta(to_send)
+        began = time.monotonic()
         records = self.progress.wait_for_groupmates(step, self.round_wait_timeout, self.stop_event)
+        waited_s = round(time.monotonic() - began, 4)
         if self.stop_event.is_set():
             return SyncOutcome(event=ROUND_STOPPED, reason="this peer is stopping")
         if any(r.outer_step > step for r in records.values()):
@@ -96,7 +101,7 @@ class RoundSync:
         if plan.action == "skip":
             return SyncOutcome(event="round_skipped", reason=plan.reason)
         if plan.action == "alone":
-            return SyncOutcome(GroupMean(to_send, 1, samples, {self.peer_id: "alone"}))
+            return self._alone(to_send, samples)
         failed: list[str] = []
         for attempt in range(1, self.attempts + 1):
             membership = plan_membership(records, step, global_sha256, self.peer_id, self.reachability_mode,
@@ -108,6 +113,7 @@ class RoundSync:
                 result = self.sync.average(to_send, samples, step, global_sha256, fragment, stop=self.stop_event,
                                            membership=membership, left_behind=lambda: self._went_on_without(step))
                 result.attempt = attempt
+                result.phases = dict(wait=waited_s, **result.phases)
                 return SyncOutcome(result, failed_attempts=failed)
             except LeftBehind:
                 return SyncOutcome(event="round_skipped", reason=f"the peers at outer step {step} averaged without "
@@ -126,6 +132,17 @@ class RoundSync:
                 logger.warning("outer step %d: attempt %d of %d failed (%s); averaging again with the %d peers ready "
                                "at the step that still answer", step + 1, attempt, self.attempts, e,
                                sum(r.outer_step == step and r.phase == READY for r in records.values()))
+
+    def _alone(self, to_send: PendingDelta, samples: int) -> SyncOutcome:
+        """This peer's own Δ as the step's mean (no other peer of the run is live), once it is handed over."""
+        deadline = time.monotonic() + self.round_wait_timeout
+        while not to_send.wait(0.1) and not self.stop_event.is_set() and time.monotonic() < deadline:
+            pass
+        if to_send.tensors is None and self.stop_event.is_set():
+            return SyncOutcome(event=ROUND_STOPPED, reason="this peer stopped before its pseudo-gradient was taken")
+        if to_send.tensors is None:
+            return SyncOutcome(event="round_failed", reason="this peer's pseudo-gradient did not come in time")
+        return SyncOutcome(GroupMean(to_send.tensors, 1, samples, {self.peer_id: "alone"}))
 
     def _next_attempt_at(self, step: int) -> int:
         """How many attempts this peer has made at averaging for `step`, this one included, over all the

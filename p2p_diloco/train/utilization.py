@@ -59,6 +59,10 @@ class RecentRate:
     def add(self, samples: int, seconds: float) -> None:
         self._steps.append((samples, seconds))
 
+    def step_s(self) -> float:
+        """Mean seconds per inner step over the window (0 before the first)."""
+        return sum(s for _, s in self._steps) / len(self._steps) if self._steps else 0.0
+
     def rate(self) -> float:
         seconds = sum(s for _, s in self._steps)
         return sum(n for n, _ in self._steps) / seconds if seconds > 0 else 0.0
