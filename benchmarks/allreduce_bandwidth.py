@@ -19,8 +19,12 @@ p2p_diloco/sync/codecs.py) a fresh OuterSync under its own averager prefix and o
 
 Every round starts at one instant on every peer: each peer reports ready through a file under
 --out, and this script, once all are ready, names a start time a moment ahead (the namespaces share
-the machine's clock). Matchmaking is kept short (matchmaking_time 1.0 s, request_timeout 0.5 s) and
-is not part of the all-reduce time. Per (B, codec) the table gives:
+the machine's clock). Each round's group is formed as the training loop forms it (--matchmaking
+planned, the default): every peer holds the same membership plan of the N peers
+(p2p_diloco/sync/membership.py), and the first leader starts the all-reduce once all have joined.
+With --matchmaking hivemind the peers have no plan and hivemind's matchmaking gathers them for
+matchmaking_time (1.0 s; request_timeout 0.5 s), as in the tables before issue 24. Matchmaking is
+not part of the all-reduce time. Per (B, codec) the table gives:
 
 - **all-reduce s**: median over the rounds of (the last peer's end of all-reduce) − (the first
   peer's start of it), where a peer's start is when its averager enters RUNNING_ALLREDUCE (the
@@ -36,8 +40,10 @@ is not part of the all-reduce time. Per (B, codec) the table gives:
   part whole to one reducer, so with few parts per peer the reducers' shares are unequal and the
   busiest peer moves more than 2(N−1)/N · S_codec;
 - **round s**: median of (the last peer's return from `OuterSync.average`) − (the common start):
-  matchmaking (≥ matchmaking_time), the all-reduce, and the DHT round reports every peer exchanges
-  before it commits the mean (p2p_diloco/sync/commit.py);
+  matchmaking, the all-reduce, and the DHT round reports and the audit every peer goes through
+  before it commits the mean (p2p_diloco/sync/commit.py, audit.py); **matchmaking s** is the median
+  of (the first peer's start of the all-reduce) − (the common start), and **commit s** the rest of
+  the round after the all-reduce: these are a round's fixed costs;
 - **payload MB**: the tensor bytes each peer sent plus received in the round (averager.traffic:
   serialized parts only), the mean over peers and rounds, and the peak (the largest of any peer in
   any round); for N peers the ideal is 2 · 2(N−1)/N · S_codec;
@@ -162,6 +168,7 @@ def run_worker(args) -> None:
     from p2p_diloco.hashing import tensors_sha256
     from p2p_diloco.swarm.node import start_run_node, visible_maddrs
     from p2p_diloco.sync.codecs import CODECS
+    from p2p_diloco.sync.membership import MAX_LEADERS, Membership, leader_rank
     from p2p_diloco.sync.outer_sync import OuterSync, RoundFailed
 
     process_tree.children_exit_with_this_process()  # killed, it takes its DHT, averager and p2pd along
@@ -175,6 +182,15 @@ def run_worker(args) -> None:
     node = start_run_node(RUN, args.ip, 0, initial_peers=args.initial_peers or ())
     if index == 0:
         print(" ".join(visible_maddrs(node.dht)), flush=True)
+    (sync_dir / f"peer-id-{index}").write_text(node.dht.peer_id.to_base58())  # for the membership plans
+
+    def membership(outer_step: int, global_sha256: str):
+        """The round's plan, as every peer computes it (planned matchmaking), or None (hivemind's)."""
+        if not plan["planned"]:
+            return None
+        members = sorted((sync_dir / f"peer-id-{i}").read_text() for i in range(plan["peers"]))
+        leaders = sorted(members, key=lambda pid: leader_rank(outer_step, global_sha256, pid))[:MAX_LEADERS]
+        return Membership(tuple(leaders), tuple(members))
     sync = None
     try:
         for p, phase in enumerate(plan["phases"]):
@@ -200,7 +216,8 @@ def run_worker(args) -> None:
                 mean, group_size, error = None, None, None
                 try:
                     result = sync.average([delta], samples=index + 1, outer_step=1000 * p + r,
-                                          global_sha256=global_sha256)
+                                          global_sha256=global_sha256,
+                                          membership=membership(1000 * p + r, global_sha256))
                     mean, group_size = result.mean, result.group_size
                 except RoundFailed as e:
                     error = str(e)
@@ -345,10 +362,13 @@ def summarize(plan: dict, records: list[dict]) -> list[dict]:
             return statistics.median(x[key] for x in rounds) if rounds else None
 
         allreduce = median("allreduce_s")
+        for x in per_round:
+            x["commit_s"] = x["round_s"] - x["matchmaking_s"] - x["allreduce_s"]
         rows.append(dict(
             mbit=phase["mbit"], codec=phase["codec"], peers=peers, numel=numel, bytes_per_parameter=bpp,
             s_codec_bytes=s_codec, limit_s=limit, allreduce_s=allreduce, round_s=median("round_s"),
-            matchmaking_s=median("matchmaking_s"), efficiency=limit / allreduce if allreduce else None,
+            matchmaking_s=median("matchmaking_s"), commit_s=median("commit_s"),
+            efficiency=limit / allreduce if allreduce else None,
             split_limit_s=median("split_limit_s"),
             allreduce_s_each_round=[x["allreduce_s"] for x in per_round],
             ideal_payload_bytes_per_peer=2 * 2 * (peers - 1) / peers * s_codec,
@@ -369,14 +389,15 @@ def print_table(plan: dict, rows: list[dict]) -> None:
         return num(value / 1e6 if value is not None else None, ".2f")
 
     print(f"\n{plan['peers']} peers, S = {plan['numel'] * 4 / 1e6:g} MB fp32 ({plan['numel']:,} parameters), "
-          f"{plan['rounds']} rounds each; medians over the rounds; MB = 10^6 bytes, sent + received per peer per round\n")
+          f"{plan['rounds']} rounds each, {'planned' if plan['planned'] else 'hivemind'} matchmaking; medians over "
+          f"the rounds; MB = 10^6 bytes, sent + received per peer per round\n")
     print("| Mbit/s | codec | S_codec MB | limit s | all-reduce s | efficiency | split limit s | round s | "
-          "payload MB mean / peak (ideal) | eth0 MB mean / peak | rounds ok |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
+          "matchmaking s | commit s | payload MB mean / peak (ideal) | eth0 MB mean / peak | rounds ok |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
     for r in rows:
         print(f"| {r['mbit']:g} | {r['codec']} | {r['s_codec_bytes'] / 1e6:.2f} | {r['limit_s']:.2f} | "
               f"{num(r['allreduce_s'], '.2f')} | {num(r['efficiency'], '.2f')} | {num(r['split_limit_s'], '.2f')} | "
-              f"{num(r['round_s'], '.2f')} | "
+              f"{num(r['round_s'], '.2f')} | {num(r['matchmaking_s'], '.2f')} | {num(r['commit_s'], '.2f')} | "
               f"{mb(r['payload_bytes_per_peer_mean'])} / {mb(r['payload_bytes_per_peer_peak'])} "
               f"({mb(r['ideal_payload_bytes_per_peer'])}) | "
               f"{mb(r['iface_bytes_per_peer_mean'])} / {mb(r['iface_bytes_per_peer_peak'])} | "
@@ -391,6 +412,9 @@ def main() -> None:
     parser.add_argument("--mbytes", type=float, default=16.0, help="S: fp32 size of the averaged tensor, in 10^6 bytes")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per rate and codec")
     parser.add_argument("--burst-ms", type=float, default=2.0, help="tbf bucket, in ms of the rate (at least 64 KiB)")
+    parser.add_argument("--matchmaking", choices=("planned", "hivemind"), default="planned",
+                        help="how each round's group forms: from the membership plan, as the training loop does "
+                             "(default), or by hivemind's matchmaking for matchmaking_time")
     parser.add_argument("--out", default="bench-out/allreduce-bandwidth")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ip", help=argparse.SUPPRESS)
@@ -419,6 +443,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     plan = dict(peers=args.peers, numel=int(args.mbytes * 1e6 / 4), rounds=args.rounds,
                 matchmaking_time=MATCHMAKING_TIME_S, request_timeout=REQUEST_TIMEOUT_S, burst_ms=args.burst_ms,
+                planned=args.matchmaking == "planned",
                 phases=[dict(mbit=rate, codec=codec) for rate in rates for codec in codecs])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("error: stopped (SIGTERM)"))  # `finally` stops the peers
     began = time.monotonic()

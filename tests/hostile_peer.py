@@ -64,6 +64,7 @@ REDUCER_ATTACKS = ("garbage-reducer", "equivocating-reducer")
 GARBAGE_FACTOR = 100.0  # the garbage reducer's averaged part ×100, plus noise of 100 × its RMS
 COLLUDE_WAIT_S = 10.0  # how long an ALIE colluder waits for the others' Δ of this outer step
 COLLUDE_POLL_S = 0.2
+STEP_WAIT_S = 120.0  # how long a sender attack waits for the Δ of a round matched ahead of it (its lead, at most)
 
 
 def say(line: str) -> None:
@@ -172,11 +173,16 @@ def claimed_samples(attacks: Sequence[Attack], samples: int) -> int:
 
 def patch_sender(spec: str, attacks: Sequence[Attack], colluders: Optional[Colluders]) -> None:
     """Wrap OuterSync.average: the group averages the altered Δ with the claimed weight."""
-    from p2p_diloco.sync.outer_sync import OuterSync
+    from p2p_diloco.sync.outer_sync import OuterSync, PendingDelta
 
     honest_average = OuterSync.average
 
     def average(self, pseudo_gradient, samples, outer_step, *args, **kwargs):
+        if isinstance(pseudo_gradient, PendingDelta):  # a round matched ahead of its Δ: altered once it is here
+            pseudo_gradient.wait(STEP_WAIT_S)
+            if pseudo_gradient.tensors is None:  # the peer stopped first: the honest round ends it
+                return honest_average(self, pseudo_gradient, samples, outer_step, *args, **kwargs)
+            pseudo_gradient = pseudo_gradient.tensors
         sent = [t.detach().clone() for t in pseudo_gradient]
         for attack in attacks:
             sent = alter_delta(attack, sent, outer_step, self.peer_id, colluders)

@@ -19,7 +19,9 @@ from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.process_tree import command_name, is_running, kill_tree, start_ticks, wait_gone
 from p2p_diloco.sync.codecs import CODECS, bytes_per_parameter
-from p2p_diloco.sync.exact_allreduce import CodecCompression, SenderOrderReducer, part_container_settings
+from p2p_diloco.sync.exact_allreduce import (
+    CodecCompression, SenderOrderReducer, balanced_part_size_bytes, part_container_settings,
+)
 from p2p_diloco.sync.robust import weighted_mean
 from tests.allreduce_case import START
 from tests.conftest import REPO
@@ -166,6 +168,25 @@ def test_parts_start_on_the_codec_block_grid(codec):
     if blocksize > 1:
         assert not all(start % blocksize == 0 for start in part_starts(hivemind))
     container.finalize(), hivemind.finalize()
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_parts_are_balanced_between_reducers(codec):
+    """hivemind gives each 512 KiB part whole to one reducer: the demo model's 688,768 values in 4 bits are one
+    part, which one of 3 reducers averaged alone. Parts of balanced_part_size_bytes give each of them its share
+    of the values, to within 5 %, and still start on the codec's grid."""
+    for numel in (688_768, 4_000_000):
+        tensors = [torch.zeros(numel)]
+        size = balanced_part_size_bytes(CODECS[codec], numel, reducers=3)
+        container = TensorPartContainer(tensors, [1.0, 1.0, 1.0], **part_container_settings(CODECS[codec], size))
+        shares = [sum(part.numel() for part, _ in parts) for parts in container._input_parts_by_peer]
+        assert max(shares) <= 1.05 * numel / 3, (numel, shares)
+        assert all(start % CODECS[codec].blocksize == 0 for start in part_starts(container))
+        container.finalize()
+    hivemind = TensorPartContainer([torch.zeros(688_768)], [1.0, 1.0, 1.0], **part_container_settings(CODECS[codec]))
+    if CODECS[codec].name in ("nf4", "fp4-bnb", "fp4-e3m0"):
+        assert hivemind.num_parts_by_peer.count(0) == 2  # one reducer for the whole model
+    hivemind.finalize()
 
 
 def reduce_parts(reducer_type, parts: list[list[torch.Tensor]], weights: list[float], order: list[int]):

@@ -36,11 +36,13 @@ methods are the seams a hostile test peer patches: :meth:`ExactAllReduceRunner._
 (a reducer that returns a wrong result to everyone) and
 :meth:`ExactAllReduceRunner._accumulate_parts_streaming` (different results to different senders).
 
-**Parts on the codec's grid.** hivemind cuts each tensor into parts of
+**Parts on the codec's grid, and balanced.** hivemind cuts each tensor into parts of
 ``int(part_size_bytes / bytes_per_value)`` values (932,067 for the 4-bit codecs), and a part that
 starts off the codec's block grid is coded in other blocks than the whole tensor. The runner passes
 a part size rounded down to a multiple of :attr:`Codec.blocksize <p2p_diloco.sync.codecs.Codec.blocksize>`
-(:func:`part_container_settings`), so every part starts on the grid.
+(:func:`part_container_settings`), so every part starts on the grid, and small enough that each
+reducer gets about eight parts (:func:`balanced_part_size_bytes`), so that the reducers' shares of
+encoded bytes are nearly equal.
 
 **Reducers' results.** Each reducer's result is :func:`~p2p_diloco.sync.robust.aggregate` of the
 senders' parts in sender order under the run's rule (``outer.aggregation``: a robust mean by default,
@@ -151,6 +153,24 @@ class CodecCompression(CompressionBase):
 
     def __repr__(self):
         return f"CodecCompression({self.codec.name})"
+
+
+PARTS_PER_REDUCER = 8  # parts each reducer gets at least, where they stay above MIN_PART_BYTES
+MIN_PART_BYTES = 32 * 1024  # encoded: smaller parts cost more in per-message overhead than they balance
+
+
+def balanced_part_size_bytes(codec: Codec, total_values: int, reducers: int,
+                             cap: float = DEFAULT_PART_SIZE_BYTES) -> float:
+    """The encoded bytes per part for a round of `total_values` values among `reducers` reducers: hivemind's
+    512 KiB, or less, so that each reducer gets about :data:`PARTS_PER_REDUCER` parts.
+
+    hivemind gives each part whole to one reducer: with 512 KiB parts, 4M values in a 4-bit codec are 4.5 parts,
+    and 3 reducers got 2, 2 and 1 (the busiest peer moved 10 % more than its share; docs/benchmarks.md). With
+    8 parts or more each, the shares differ by at most 1/8 of a part's share. Smaller parts also pipeline the
+    round finer: a sender encodes its next part while the last one travels, and a reducer sums each part as it
+    completes. Every member computes the same size from the group's `total_values` and `reducers`."""
+    encoded = codec.encoded_size(total_values)
+    return max(MIN_PART_BYTES, min(cap, encoded / (max(reducers, 1) * PARTS_PER_REDUCER)))
 
 
 def part_container_settings(codec: Codec, part_size_bytes: float = DEFAULT_PART_SIZE_BYTES) -> dict:
@@ -292,7 +312,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                  codec: Codec, rule: AggregationRule = EXACT_MEAN, sent: Optional[Sequence[torch.Tensor]] = None,
                  relay_group: int = 0, fault_pause_s: float = 0.0, fault_send_pause_s: float = 0.0, **kwargs):
         kwargs.pop("compression", None)  # hivemind's averager passes its own; the run's codec replaces it
-        part_size_bytes = kwargs.pop("part_size_bytes", DEFAULT_PART_SIZE_BYTES)
+        reducers = sum(fraction > 0 for fraction in kwargs["peer_fractions"])
+        part_size_bytes = balanced_part_size_bytes(codec, sum(t.numel() for t in kwargs["tensors"]), reducers,
+                                                   kwargs.pop("part_size_bytes", DEFAULT_PART_SIZE_BYTES))
         super().__init__(**part_container_settings(codec, part_size_bytes), **kwargs)
         replaced = self.tensor_part_reducer  # hivemind's, built above and never used: see SenderOrderReducer
         replaced.finished.set()  # (its finalize would warn that it received nothing)

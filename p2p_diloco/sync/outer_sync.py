@@ -306,6 +306,8 @@ class OuterSync:
         """
         stop = stop or threading.Event()
         delta = pseudo_gradient if isinstance(pseudo_gradient, PendingDelta) else PendingDelta(pseudo_gradient)
+        if delta.settled and delta.tensors is None:
+            raise RoundFailed("this peer stopped before its pseudo-gradient was taken", tensors_touched=False)
         token = secrets.token_hex(8)  # names this attempt in the group's round reports
         times = RoundTimes(started=time.monotonic())
         try:
@@ -426,7 +428,8 @@ class OuterSync:
                 break
         if delta.tensors is None:
             control.cancel()
-            raise RoundFailed("this peer stopped before its pseudo-gradient was taken" if delta.settled or stop.is_set()
+            raise RoundFailed("cancelled: this peer is stopping" if stop.is_set()
+                              else "this peer stopped before its pseudo-gradient was taken" if delta.settled
                               else "this peer's pseudo-gradient did not come in time", tensors_touched=False)
         self._load(indices, delta, times)
         control.allow_allreduce()

@@ -372,11 +372,13 @@ class DiLoCoPeer:
         step = self.global_model.outer_step
         fragment = self.schedule.fragment_at(step)
         self.progress.publish(step, self.sha256, TRAINING, self.local.contribution.samples(fragment))
-        if not self._train_round(step, fragment):
-            if self._announced is not None:  # the sync began ahead of a Δ that will not come
-                self._announced.delta.abandon()
-                self._announced.sync.result()  # bounded: the stop event ends its waits
-                self._announced = None
+        try:
+            trained = self._train_round(step, fragment)
+        except BaseException:
+            self._abandon_round()
+            raise
+        if not trained:  # stopping
+            self._abandon_round()
             return
         if self._announced is None:
             self._announce(step, fragment, 0)
@@ -401,6 +403,15 @@ class DiLoCoPeer:
         else:
             self._not_applied(step, outcome)
         self.view.training(outer_step=self.global_model.outer_step)
+
+    def _abandon_round(self) -> None:
+        """The inner loop ends before the Δ of a round whose sync began: that sync ends now, with nothing
+        applied (bounded: the stop event, set by then, or the abandoned Δ ends its waits)."""
+        announced, self._announced = self._announced, None
+        if announced is not None:
+            announced.delta.abandon()
+            if self._stopping():
+                announced.sync.result()
 
     def _announce(self, step: int, fragment: int, steps_left: int) -> None:
         """Say this peer is ready to average for `step` and start the round's sync: its Δ will be taken
