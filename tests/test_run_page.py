@@ -150,8 +150,6 @@ PAGE_AT = r"the run's page is at (http://127\.0\.0\.1:\d+/)"
 @pytest.mark.swarm
 @pytest.mark.timeout(480)
 def test_status_as_a_table_as_json_and_as_a_page_in_a_browser(processes, tmp_path, chromium):
-    from selenium.webdriver.common.by import By
-
     config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS)
     maddr = start_bootstrap(processes, LOOPBACK, "--keep", str(config), "--page-port", "0", "--page-refresh", "1")
     metrics = [start_peer(processes, f"peer{i}", config, maddr) for i in range(2)]
@@ -180,18 +178,23 @@ def test_status_as_a_table_as_json_and_as_a_page_in_a_browser(processes, tmp_pat
     # the page, in a browser: the peers, the plots (the keeper's held-out loss among them)
     chromium.get(logged(processes, "bootstrap", PAGE_AT))
 
+    # read in one script each: the page swaps <main> every second, and an element found by one call may be
+    # gone by the next (selenium's StaleElementReferenceException, once in CI)
     def shown_peers() -> set[str]:
-        rows = chromium.find_elements(By.CSS_SELECTOR, "table.peers tbody tr")
-        return {r.get_attribute("data-peer-id") for r in rows}
+        return set(chromium.execute_script(
+            "return Array.from(document.querySelectorAll('table.peers tbody tr'), r => r.dataset.peerId)"))
 
     def plotted(series: str) -> int:
-        lines = chromium.find_elements(By.CSS_SELECTOR, f'svg.plot[data-series="{series}"] polyline')
-        return len(lines[0].get_attribute("points").split()) if lines else 0
+        points = chromium.execute_script(
+            "const l = document.querySelector(arguments[0]); return l ? l.getAttribute('points') : ''",
+            f'svg.plot[data-series="{series}"] polyline')
+        return len(points.split())
 
     wait_until(lambda: shown_peers() == peers and plotted("eval_loss") >= 1 and plotted("loss") >= 2, 120,
                "the page to show both peers and their plots")
     assert all(plotted(s) >= 1 for s in ("loss", "group_size", "sync_bytes", "utilization", "tokens_per_s"))
-    step_shown = lambda: int(chromium.find_element(By.CSS_SELECTOR, '[data-fact="outer step"]').text)  # noqa: E731
+    step_shown = lambda: int(chromium.execute_script(  # noqa: E731
+        "return document.querySelector('[data-fact=\"outer step\"]').textContent"))
     chromium.execute_script("window.notReloaded = true")
     before = step_shown()
     wait_until(lambda: step_shown() > before, 120, "the page to show the next outer step")
@@ -202,9 +205,10 @@ def test_status_as_a_table_as_json_and_as_a_page_in_a_browser(processes, tmp_pat
                     module="tests.hostile")
     author = logged(processes, "hostile-markup", r"markup signed as (\w+)", 120)
     wait_until(lambda: author in shown_peers(), 120, "the page to show the stranger")
-    cells = chromium.find_elements(By.CSS_SELECTOR, f'tr[data-peer-id="{author}"] td')
-    assert MARKUP in [c.text for c in cells] and "<b>0</b><script>1</script>" in [c.text for c in cells]
-    assert not chromium.find_elements(By.CSS_SELECTOR, "main img, main b, main script")
+    cells = chromium.execute_script("return Array.from(document.querySelectorAll(arguments[0]), c => c.innerText)",
+                                    f'tr[data-peer-id="{author}"] td')
+    assert MARKUP in cells and "<b>0</b><script>1</script>" in cells
+    assert not chromium.execute_script("return document.querySelectorAll('main img, main b, main script').length")
     assert chromium.title == "p2p-diloco run"  # the onerror never ran
 
     served_url = logged(processes, "status-serve", PAGE_AT, 120)

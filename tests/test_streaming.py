@@ -56,7 +56,8 @@ def names_of(cfg):
 def test_two_peers_match_the_streaming_oracle(tmp_path, sync_delay, merge_alpha):
     torch.set_num_threads(1)
     cfg = tiny_config(model={"num_layers": 2}, inner={"steps_per_outer": 6},
-                      outer={"fragments": 2, "sync_delay": sync_delay, "merge_alpha": merge_alpha})
+                      outer={"fragments": 2, "sync_delay": sync_delay, "merge_alpha": merge_alpha},
+                      swarm={"match_ahead": True})
     outer_steps = 4  # each fragment syncs twice
     batch_lists = fixed_batches(2, outer_steps * 3 + sync_delay, cfg.inner.batch_size, cfg.data.seq_len, VOCAB)
     fragments = split_into_fragments(names_of(cfg), 2, "strided")

@@ -62,7 +62,7 @@ from p2p_diloco.sync.group_screen import GroupMetadata, ScreenedMatchmaking, par
 MAX_LEADERS = 3  # leaders a plan names, in order: a dead first leader costs one window, two cost two
 WINDOW_MATCHMAKING_TIMES = 3  # a window, in matchmaking_time: time for every member to join
 LEAD_WINDOWS = 2  # a leader takes members for at most this many windows (its members wait three for it)
-RETRY_S = 0.1  # between two join requests to a leader that is not taking members yet (it plans a moment later)
+RETRY_S = 0.5  # between two join requests to a leader that is not taking members yet
 
 
 @dataclass(frozen=True)
