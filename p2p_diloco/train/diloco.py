@@ -528,6 +528,9 @@ class DiLoCoPeer:
         traffic = self.sync.averager.traffic
         lap = self.clock.lap()
         self.view.applied(samples, result.group_size, traffic.sent + traffic.received, lap["compute_utilization"])
+        # the checkpoint before the record: a peer killed between the two (an island whose rank died, mid-save)
+        # never has a record of a step that its checkpoint lacks
+        self._save_checkpoint()
         self.metrics.write(
             "outer_step",
             outer_step=step,
@@ -552,7 +555,6 @@ class DiLoCoPeer:
             "outer step %d: group of %d, %d samples, loss %.4f, global %s",
             step, result.group_size, result.group_samples, mean_loss, self.sha256[:12],
         )
-        self._save_checkpoint()
         if self.store_writer is not None:
             self.store_writer.after_step(step, self.sha256, self.inner.steps_done, self._state_snapshot)
         self._push_to_keeper(first_only=True)
