@@ -113,6 +113,11 @@ class RoundTimes:
     agreed: Optional[float] = None  # every groupmate's report agreed
     audited: Optional[float] = None  # every reducer passed its audit
 
+    def look(self, control) -> None:
+        """Note when the group of the averager's step `control` is first seen formed."""
+        if self.assembled is None and control.stage in ASSEMBLED:
+            self.assembled = time.monotonic()
+
     def phases(self) -> dict[str, float]:
         """Seconds per phase: `match` (asked → group formed), `late` (the group waited for this peer's Δ),
         `allreduce` (from when both were there), `commit` (the groupmates' reports), `audit` (this peer's
@@ -422,8 +427,7 @@ class OuterSync:
         A peer that stops first, or whose Δ does not come by `deadline`, leaves the round before any tensor
         moves (its groupmates see a member fail, as when a peer leaves mid-round)."""
         while not delta.wait(ROUND_POLL_S):
-            if times.assembled is None and control.stage in ASSEMBLED:
-                times.assembled = time.monotonic()
+            times.look(control)
             if stop.is_set() or time.monotonic() > deadline:
                 break
         if delta.tensors is None:
@@ -440,8 +444,7 @@ class OuterSync:
         all-reduce begins, `left_behind` once a second; `times` gets the moment the group was seen formed."""
         next_look = time.monotonic()
         while True:
-            if times.assembled is None and (control.stage in ASSEMBLED or control.done()):
-                times.assembled = time.monotonic()
+            times.look(control)
             if should_stop() and control.cancel():
                 raise RoundFailed("cancelled: this peer is stopping", tensors_touched=control.began_allreduce)
             if not control.began_allreduce and time.monotonic() >= next_look:

@@ -449,17 +449,18 @@ class DiLoCoPeer:
         while steps_this_round < end:
             if self._stopping():
                 return False
-            lead = self.match_lead.steps(self.samples_per_s.step_s(), self.schedule.steps_per_sync)
-            if self._announced is None and steps_this_round and time.monotonic() >= next_check:
-                next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
-                if self.round_sync.round_is_closing(step):
-                    logger.info("outer step %d: others are ready; contributing %d inner steps", step + 1,
-                                steps_this_round + min(lead, end - steps_this_round))
-                    end = min(end, steps_this_round + lead)
-                    if steps_this_round >= end:
-                        break
-            if self._announced is None and end - steps_this_round <= lead:
-                self._announce(step, fragment, end - steps_this_round)
+            if self._announced is None:  # until it has said it is ready: when to say it, and whether others did
+                lead = self.match_lead.steps(self.samples_per_s.step_s(), self.schedule.steps_per_sync)
+                if steps_this_round and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
+                    if self.round_sync.round_is_closing(step):
+                        logger.info("outer step %d: others are ready; contributing %d inner steps", step + 1,
+                                    steps_this_round + min(lead, end - steps_this_round))
+                        end = min(end, steps_this_round + lead)
+                        if steps_this_round >= end:
+                            break
+                if end - steps_this_round <= lead:
+                    self._announce(step, fragment, end - steps_this_round)
             self._train_steps(1)
             steps_this_round += 1
         return True
