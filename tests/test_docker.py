@@ -17,9 +17,9 @@ import click
 import pytest
 import yaml
 
-from p2p_diloco.cli import main
 from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.node import parse_initial_peers
+from tests.cli_parse import subcommand_context
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
@@ -126,14 +126,6 @@ def invocations() -> list[Invocation]:
 
 
 INVOCATIONS = invocations()
-
-
-def subcommand_context(args: list[str]) -> click.Context:
-    """Parse `p2p-diloco ARGS` as click would, without running the command: bad flags and values raise."""
-    parent = main.make_context("p2p-diloco", list(args))
-    command = main.get_command(parent, args[0])
-    assert command is not None, f"no command {args[0]!r}"
-    return command.make_context(args[0], list(args[1:]), parent=parent)
 
 
 @pytest.mark.parametrize("invocation", INVOCATIONS, ids=lambda invocation: invocation.where)
