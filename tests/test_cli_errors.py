@@ -164,6 +164,14 @@ def test_shipped_manifests_are_found_where_a_wheel_installs_them(tmp_path, monke
         manifest.find_manifest("other")
 
 
+def test_a_bad_demo_config_value_is_one_line(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text('[inner]\nbatch_size = "sixteen"\n')
+    result = run_cli("demo", "--config", str(config), "--out", str(tmp_path / "out"))
+    assert_one_line_error(result, 2, "config: inner.batch_size = 'sixteen' is invalid")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def bootstrap_node(tmp_path_factory):
     """A real bootstrap node on 127.0.0.1 for this module's tests that need one: its multiaddr and identity key."""
