@@ -219,18 +219,21 @@ def plot_losses(out_dir: Path, num_peers: int, summary: dict) -> Path:
 def run_demo(num_peers: int, outer_steps: int, config_path: Optional[str], out: str, timeout_s: float) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     config = Path(config_path) if config_path else DEFAULT_CONFIG
+    from p2p_diloco.config import ConfigError, load_config
+    from p2p_diloco.node_runner import EXIT_USAGE, fail
+    from p2p_diloco.train.data import DataError, TextData
+
     if not config.exists():
-        print(f"error: no run config at {config}; pass --config peers/demo.toml from a clone", file=sys.stderr)
-        return 2
+        return fail(f"no run config at {config}; pass --config peers/demo.toml from a clone", EXIT_USAGE)
+    try:  # one line, as `peer` says it, rather than the same error from each peer
+        TextData(load_config(config).data)  # train and cache the tokenizer once, before the peers need it
+    except (ConfigError, DataError) as e:
+        return fail(str(e), EXIT_USAGE)
+
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in list(out_dir.glob("peer-*.metrics.jsonl")) + list(out_dir.glob("peer-*/checkpoint.pt")):
         stale.unlink()  # a previous demo's files would be resumed from or mixed into the summary
-
-    from p2p_diloco.config import load_config
-    from p2p_diloco.train.data import TextData
-
-    TextData(load_config(config).data)  # train and cache the tokenizer once, before the peers need it
     started = time.monotonic()
     bootstrap, maddr = start_bootstrap(out_dir)
     peers: list[subprocess.Popen] = []

@@ -414,10 +414,10 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
     try:
         node = start_run_node(cfg.run.name, options.host, options.port, identity, options.announce_ip, initial_peers,
                               cfg.run.allowed_peers)
-    except (NodeAddressError, ConnectionError) as e:
+    except (NodeAddressError, IdentityError, ConnectionError) as e:  # port or identity in use: EXIT_USAGE
         metrics.close()
         _stop_island(island, str(e))
-        return fail(str(e), EXIT_USAGE if isinstance(e, NodeAddressError) else EXIT_UNREACHABLE)
+        return fail(str(e), EXIT_UNREACHABLE if isinstance(e, ConnectionError) else EXIT_USAGE)
     dht = node.dht
     error: Optional[tuple[str, int]] = None
     try:

@@ -1,12 +1,13 @@
 """The CLI refuses bad input with one clear line and a non-zero exit; every --help works."""
 
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO, TINY, write_toml
+from tests.conftest import REPO, TINY, Processes, read_first_line, write_toml
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,8 +92,8 @@ def test_announce_ip_needs_a_fixed_port():
 def test_unreachable_initial_peer_is_a_clear_error():
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWKXws21AxPSSvaJ2Z9MtftqvxNKLssc8Z3LRXZsbsejk1"
     result = run_cli("bootstrap", "--host", "127.0.0.1", "--port", "0", "--initial-peers", dead)
-    assert result.returncode == 3
-    assert "could not join the swarm through" in result.stderr
+    assert_one_line_error(result, 3, f"could not join the swarm through {dead}: ",
+                          "nothing listens at /ip4/127.0.0.1/tcp/9 (connection refused)")
 
 
 def tiny_config_with(tmp_path, **sections):
@@ -161,3 +162,73 @@ def test_shipped_manifests_are_found_where_a_wheel_installs_them(tmp_path, monke
     assert manifest.find_manifest("demo.toml").resolve() == tmp_path / "demo.toml"
     with pytest.raises(manifest.ManifestError, match="no run manifest 'other': .* one of: demo$"):
         manifest.find_manifest("other")
+
+
+def test_a_bad_demo_config_value_is_one_line(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text('[inner]\nbatch_size = "sixteen"\n')
+    result = run_cli("demo", "--config", str(config), "--out", str(tmp_path / "out"))
+    assert_one_line_error(result, 2, "config: inner.batch_size = 'sixteen' is invalid")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def bootstrap_node(tmp_path_factory):
+    """A real bootstrap node on 127.0.0.1 for this module's tests that need one: its multiaddr and identity key."""
+    directory = tmp_path_factory.mktemp("bootstrap")
+    procs = Processes(directory)
+    key = directory / "bootstrap.key"
+    proc = procs.start("bootstrap", "bootstrap", "--host", "127.0.0.1", "--port", "0", "--identity-path", str(key))
+    try:
+        yield read_first_line(proc), key
+    finally:
+        procs.stop_all()
+
+
+def node_command(command: str, tmp_path, *args: str) -> list[str]:
+    """`command` (bootstrap, peer or join) on 127.0.0.1 with a tiny run config, then `args`."""
+    if command == "bootstrap":
+        return ["bootstrap", "--host", "127.0.0.1", *args]
+    config = tiny_config_with(tmp_path)
+    if command == "peer":
+        return ["peer", "--config", str(config), "--host", "127.0.0.1", *args]
+    return ["join", str(config), "--state-dir", str(tmp_path / "state"), "--host", "127.0.0.1", *args]
+
+
+@pytest.mark.parametrize("command", ["bootstrap", "join"])  # join runs peer's code after its manifest's
+def test_a_port_in_use_is_one_line(tmp_path, command):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWKXws21AxPSSvaJ2Z9MtftqvxNKLssc8Z3LRXZsbsejk1"  # never dialed
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = run_cli(*node_command(command, tmp_path, "--port", str(port), "--initial-peers", dead))
+    assert_one_line_error(result, 2, f"--port {port}: another program (another node?) listens on 127.0.0.1:{port}")
+
+
+def test_the_port_of_a_running_bootstrap_node_is_in_use(bootstrap_node):
+    """p2pd listens with SO_REUSEPORT: without the check, a second node would share the first one's port."""
+    maddr, _ = bootstrap_node
+    port = maddr.split("/tcp/")[1].split("/")[0]
+    result = run_cli("bootstrap", "--host", "127.0.0.1", "--port", port)
+    assert_one_line_error(result, 2, f"listens on 127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("command", [["bootstrap", "--host", "127.0.0.1", "--port", "0"], ["status"]])
+def test_another_peer_id_at_the_bootstrap_address_is_named(bootstrap_node, command):
+    maddr, _ = bootstrap_node
+    host_port, real_id = maddr.split("/p2p/")
+    wrong_id = "QmQ5QhQ8zchZMjsF6A6VRfLySo6f431zqYaYywHr4uTsHX"
+    result = run_cli(*command, "--initial-peers", f"{host_port}/p2p/{wrong_id}")
+    assert_one_line_error(result, 3, f"the node at {host_port} answers with another peer ID than the address's "
+                                     f"{wrong_id} (got {real_id}): copy the address the bootstrap node printed")
+
+
+@pytest.mark.parametrize("command", ["bootstrap", "peer"])
+def test_an_identity_in_use_is_one_line(bootstrap_node, tmp_path, command):
+    maddr, key = bootstrap_node
+    result = run_cli(*node_command(command, tmp_path, "--port", "0", "--identity-path", str(key),
+                                   "--initial-peers", maddr))
+    assert_one_line_error(result, 2, f"--identity-path {str(key)!r}: a node with this key's peer ID "
+                                     f"{maddr.split('/p2p/')[1]} is already in the swarm",
+                          "another --identity-path")

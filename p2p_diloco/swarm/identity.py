@@ -32,7 +32,8 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 
 class IdentityError(ValueError):
-    """An identity file cannot be read or holds a key of another kind; one line for the user."""
+    """An identity file cannot be read or holds a key of another kind, or another node of the swarm runs with its
+    key; one line for the user."""
 
 
 def _load_private_key(path: Path) -> RSAPrivateKey:

@@ -15,9 +15,11 @@ reducers, downloading state) it dials itself.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import functools
 import ipaddress
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -29,6 +31,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from p2p_diloco.event_loop import keep_tasks_in
 from p2p_diloco.process_tree import is_running
 from p2p_diloco.swarm.identity import Identity
+from p2p_diloco.swarm.join_failure import join_failure
 from p2p_diloco.swarm.liveness import serve_alive
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE, Reachability, probe, serve_dial_back
 
@@ -48,6 +51,23 @@ def _ip_protocol(ip: str, flag: str) -> str:
 
 def listen_maddrs(host: str, port: int) -> list[str]:
     return [f"/{_ip_protocol(host, '--host')}/{host}/tcp/{port}"]
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Raise NodeAddressError if this node cannot listen on host:port, before its daemon starts. p2pd binds
+    with SO_REUSEPORT, so a second node on a port that a first one holds would start and share its
+    connections at random; a plain socket (SO_REUSEADDR alone: a port whose old connections linger in
+    TIME_WAIT is free) cannot bind where another socket listens."""
+    family = socket.AF_INET6 if _ip_protocol(host, "--host") == "ip6" else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe_socket:
+        probe_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe_socket.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise NodeAddressError(f"--port {port}: another program (another node?) listens on {host}:{port}; "
+                                       f"stop it, or give this node another --port (0: any free port)") from None
+            raise NodeAddressError(f"cannot listen on --host {host} --port {port}: {e.strerror}") from None
 
 
 def announce_maddrs(announce_ip: str | None, port: int) -> list[str] | None:
@@ -136,12 +156,15 @@ def start_dht(
     client_mode: bool = False,
     startup_timeout: float = 60.0,
 ) -> SwarmDHT:
-    """Start a DHT node (and its p2pd daemon); raise a one-line error if the swarm is unreachable.
+    """Start a DHT node (and its p2pd daemon); raise a one-line error if it cannot listen on host:port
+    (NodeAddressError), if the swarm is unreachable (ConnectionError, naming why) or if a node with its
+    identity key is already in the swarm (IdentityError): :mod:`p2p_diloco.swarm.join_failure`.
 
     A `client_mode` node stores no records for others and answers no DHT requests: for a node that
     others cannot dial. Every node answers dial-back requests (:func:`serve_dial_back`) and liveness
     requests (:func:`~p2p_diloco.swarm.liveness.serve_alive`).
     """
+    check_listen_address(host, port)
     with identity.key_file() as key_file:  # p2pd reads it while the node starts
         dht = SwarmDHT(
             host_maddrs=listen_maddrs(host, port),
@@ -160,10 +183,7 @@ def start_dht(
         except Exception as e:
             dht.shutdown()
             if initial_peers:
-                raise ConnectionError(
-                    f"could not join the swarm through {', '.join(initial_peers)}: {e}. Check that the bootstrap "
-                    f"node runs and that its address and port are reachable from here."
-                ) from None
+                raise join_failure(parse_initial_peers(initial_peers), identity, e) from None
             raise
     serve_dial_back(dht)
     serve_alive(dht)
