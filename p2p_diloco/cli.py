@@ -12,6 +12,7 @@ from typing import Optional
 import click
 
 from p2p_diloco import __version__
+from p2p_diloco.metrics import EVENTS
 
 
 def _network_options(default_port: int):
@@ -111,7 +112,8 @@ def _training_options(fn):
     """Flags shared by `peer` and `join`: what a training peer writes, how long it runs, where it computes."""
     options = [
         click.option("--metrics-file", default=None, type=click.Path(dir_okay=False),
-                     help="Append one JSON record per event (join, outer_step, state_loaded, exit) to this file."),
+                     help=f"Append one JSON record per event to this file; the events: {', '.join(EVENTS)} "
+                          f"(README.md, Metrics)."),
         click.option("--checkpoint-dir", default=None, type=click.Path(file_okay=False),
                      help="Save a checkpoint here at every outer step and resume from it on restart "
                           "(overrides swarm.checkpoint_dir)."),
