@@ -32,7 +32,7 @@ def _network_options(default_port: int):
             click.option("--initial-peers", multiple=True, metavar="MULTIADDR",
                          help="Multiaddr of a swarm member, as printed by `p2p-diloco bootstrap` or a peer. "
                               "Repeat for several."),
-            click.option("-v", "--verbose", is_flag=True, help="Debug logging."),
+            click.option("-v", "--verbose", is_flag=True, help="Debug logging (and hivemind's INFO lines)."),
         ]
         for option in reversed(options):
             fn = option(fn)
