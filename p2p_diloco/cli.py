@@ -12,6 +12,7 @@ from typing import Optional
 import click
 
 from p2p_diloco import __version__
+from p2p_diloco.metrics import EVENTS
 
 
 def _network_options(default_port: int):
@@ -31,7 +32,7 @@ def _network_options(default_port: int):
             click.option("--initial-peers", multiple=True, metavar="MULTIADDR",
                          help="Multiaddr of a swarm member, as printed by `p2p-diloco bootstrap` or a peer. "
                               "Repeat for several."),
-            click.option("-v", "--verbose", is_flag=True, help="Debug logging."),
+            click.option("-v", "--verbose", is_flag=True, help="Debug logging (and hivemind's INFO lines)."),
         ]
         for option in reversed(options):
             fn = option(fn)
@@ -52,6 +53,7 @@ def main():
     See a swarm:     p2p-diloco status --initial-peers /ip4/.../p2p/...
     Host a swarm:    p2p-diloco bootstrap --port 31337 --identity-path bootstrap.key
     Any config:      p2p-diloco peer --config my-run.toml --initial-peers /ip4/.../p2p/...
+    Bug report:      p2p-diloco env
     Export a model:  p2p-diloco export --checkpoint-dir ~/.local/share/p2p-diloco/demo/checkpoint --out demo-model
     """
 
@@ -111,7 +113,8 @@ def _training_options(fn):
     """Flags shared by `peer` and `join`: what a training peer writes, how long it runs, where it computes."""
     options = [
         click.option("--metrics-file", default=None, type=click.Path(dir_okay=False),
-                     help="Append one JSON record per event (join, outer_step, state_loaded, exit) to this file."),
+                     help=f"Append one JSON record per event to this file; the events: {', '.join(EVENTS)} "
+                          f"(README.md, Metrics)."),
         click.option("--checkpoint-dir", default=None, type=click.Path(file_okay=False),
                      help="Save a checkpoint here at every outer step and resume from it on restart "
                           "(overrides swarm.checkpoint_dir)."),
@@ -250,6 +253,27 @@ def status(initial_peers, run_name, as_json, serve, page_host, page_port, refres
     if serve:
         sys.exit(serve_status(initial_peers, run_name, page_host, page_port, refresh_s, verbose))
     sys.exit(run_status(initial_peers, run_name, as_json, verbose))
+
+
+@main.command()
+@click.option("--initial-peers", multiple=True, metavar="MULTIADDR",
+              help="Also check whether the swarm can dial this machine back, asking this swarm member (a bootstrap "
+                   "node). Repeat for several.")
+@click.option("--host", default="0.0.0.0", show_default=True, help="With --initial-peers: address to listen on.")
+@click.option("--port", default=0, show_default=True, type=click.IntRange(0, 65535),
+              help="With --initial-peers: the TCP port to check (a peer's --port; 0 = any free port).")
+@click.option("--announce-ip", default=None, help="With --initial-peers: the public IP a peer here would announce.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def env(initial_peers, host, port, announce_ip, as_json):
+    """Print this machine's setup for a bug report: versions, OS, CPU cores, RAM, GPUs, reachability.
+
+    Versions of p2p-diloco, Python, torch (and its CUDA), hivemind, transformers, bitsandbytes and
+    datasets. With --initial-peers it also runs the dial-back check a peer runs at start-up: whether
+    the swarm can dial this machine (else it would average as a client; docs/network.md).
+    """
+    from p2p_diloco.env_report import run_env
+
+    sys.exit(run_env(initial_peers, host, port, announce_ip, as_json))
 
 
 @main.command()

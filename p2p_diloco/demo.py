@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from p2p_diloco.logs import log_to_stderr
 from p2p_diloco.manifest import shipped_manifest_dir
 from p2p_diloco.metrics import read_metrics
 from p2p_diloco.train.utilization import compute_utilization
@@ -81,6 +82,43 @@ def start_peer(
         ),
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
+
+
+def say(text: str) -> None:
+    """One line of what the demo does, on stdout with its progress (`demo: ...`)."""
+    print(f"demo: {text}", flush=True)
+
+
+def joined(metrics_files: list[Path]) -> int:
+    """How many peers have written their `join` record: they have met the swarm and built the model."""
+    return sum(path.exists() and any(r["event"] == "join" for r in read_metrics(path)) for path in metrics_files)
+
+
+def wait_for_joins(procs: list[subprocess.Popen], metrics_files: list[Path], deadline: float) -> bool:
+    """Until every peer has joined (True), or one has exited or the deadline passed (False)."""
+    while time.monotonic() < deadline:
+        if joined(metrics_files) == len(metrics_files):
+            return True
+        if any(p.poll() is not None for p in procs):
+            return False
+        time.sleep(0.5)
+    return False
+
+
+def format_duration(seconds: float) -> str:
+    return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def final_lines(out_dir: Path, summary: dict, plot: Path) -> list[str]:
+    """The demo's last words: what the swarm did, and where to look (summary.json holds the rest)."""
+    steps = max((p["final_outer_step"] for p in summary["peers"]), default=0)
+    loss = f"held-out loss {summary['initial_eval_loss']:.3f} -> " + (
+        f"{summary['final_eval_loss']:.3f}" if summary["final_eval_loss"] is not None else "none (no checkpoint)")
+    same = "the same θ_global on every peer" if summary["all_final_hashes_equal"] else "peers hold DIFFERENT θ_global"
+    return [f"{steps} outer steps in {format_duration(summary['wall_seconds'])}; {loss}; {same}",
+            f"summary: {out_dir / 'summary.json'}",
+            f"plot:    {plot}",
+            f"logs:    {out_dir / 'bootstrap.log'}, {out_dir / 'peer-*.log'} (metrics: peer-*.metrics.jsonl)"]
 
 
 def wait_all(procs: list[subprocess.Popen], deadline: float, progress: Optional["DemoProgress"] = None) -> bool:
@@ -217,7 +255,7 @@ def plot_losses(out_dir: Path, num_peers: int, summary: dict) -> Path:
 
 
 def run_demo(num_peers: int, outer_steps: int, config_path: Optional[str], out: str, timeout_s: float) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    log_to_stderr(verbose=False)
     config = Path(config_path) if config_path else DEFAULT_CONFIG
     from p2p_diloco.config import ConfigError, load_config
     from p2p_diloco.node_runner import EXIT_USAGE, fail
@@ -226,7 +264,9 @@ def run_demo(num_peers: int, outer_steps: int, config_path: Optional[str], out: 
     if not config.exists():
         return fail(f"no run config at {config}; pass --config peers/demo.toml from a clone", EXIT_USAGE)
     try:  # one line, as `peer` says it, rather than the same error from each peer
-        TextData(load_config(config).data)  # train and cache the tokenizer once, before the peers need it
+        data_config = load_config(config).data
+        say(f"building the tokenizer and data of {config} (cached for the next runs)")
+        TextData(data_config)  # train and cache the tokenizer once, before the peers need it
     except (ConfigError, DataError) as e:
         return fail(str(e), EXIT_USAGE)
 
@@ -235,30 +275,40 @@ def run_demo(num_peers: int, outer_steps: int, config_path: Optional[str], out: 
     for stale in list(out_dir.glob("peer-*.metrics.jsonl")) + list(out_dir.glob("peer-*/checkpoint.pt")):
         stale.unlink()  # a previous demo's files would be resumed from or mixed into the summary
     started = time.monotonic()
+    say("starting the bootstrap node")
     bootstrap, maddr = start_bootstrap(out_dir)
     peers: list[subprocess.Popen] = []
+    metrics_files = [out_dir / f"peer-{i}.metrics.jsonl" for i in range(num_peers)]
+    finished = False
     try:
-        logger.info("bootstrap node at %s; starting %d peers", maddr, num_peers)
+        say(f"bootstrap node at {maddr}; starting {num_peers} peers (logs: {out_dir / 'peer-*.log'})")
         # the peers start together and wait for each other, so that none takes its first steps alone
         peers = [start_peer(config, maddr, out_dir, i, outer_steps, num_peers) for i in range(num_peers)]
-        progress = DemoProgress([out_dir / f"peer-{i}.metrics.jsonl" for i in range(num_peers)], outer_steps)
-        finished = wait_all(peers, started + timeout_s, progress)
-        progress.update(final=True)
-        progress.close()
-        if not finished:
-            logger.error("peers did not finish within %d s; stopping them", timeout_s)
+        say(f"waiting for the {num_peers} peers to start, meet and build the model")
+        if not wait_for_joins(peers, metrics_files, started + timeout_s):
+            logger.error("not every peer joined (one exited, or --timeout passed); stopping them")
+        else:
+            say(f"{num_peers} peers joined after {format_duration(time.monotonic() - started)}; "
+                f"training {outer_steps} outer steps")
+            progress = DemoProgress(metrics_files, outer_steps)
+            finished = wait_all(peers, started + timeout_s, progress)
+            progress.update(final=True)
+            progress.close()
+            if not finished:
+                logger.error("peers did not finish within %d s; stopping them", timeout_s)
     finally:
         for proc in peers:
             stop_process(proc)
         stop_process(bootstrap)
     wall_s = time.monotonic() - started
     failed = [i for i, p in enumerate(peers) if p.returncode != 0]
+    say("evaluating θ_global on held-out text")
     initial, final = evaluate(config, [out_dir / f"peer-{i}" for i in range(num_peers)])
     summary = summarize(out_dir, num_peers, initial, final, wall_s)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plot = plot_losses(out_dir, num_peers, summary)
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {out_dir / 'summary.json'} and {plot}")
+    for line in final_lines(out_dir, summary, plot):
+        say(line)
     if failed or not finished:
         print(f"error: peers {failed} exited with an error; see {out_dir}/peer-*.log", file=sys.stderr)
         return 1

@@ -13,6 +13,7 @@ settings (a run config that is not the run's, or a local tokenizer trained diffe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -143,6 +144,34 @@ def check_out_folder(out: Path, force: bool) -> None:
                           f"(files of the same names are replaced)")
 
 
+def file_states(folder: Path) -> dict[Path, tuple[int, int]]:
+    """Each file in `folder` (not below it): its inode and modification time, to tell which files a save wrote."""
+    return {path: (path.stat().st_ino, path.stat().st_mtime_ns) for path in folder.iterdir() if path.is_file()}
+
+
+def give_normal_modes(paths) -> None:
+    """The mode an ordinary write gives a new file (0666 less the umask: 0644 for the usual 022). safetensors
+    writes model.safetensors through a private temporary file: it was left 0600, readable by its owner alone."""
+    umask = os.umask(0o022)  # reading the umask means setting it; put back at once (export is single-threaded)
+    os.umask(umask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~umask)
+
+
+@contextlib.contextmanager
+def no_transformers_progress_bar():
+    """transformers' progress bars off ("Writing model shards", shown after the model was written), as they were after."""
+    from transformers.utils import logging as transformers_logging
+
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()
+
+
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
                       config_path: Optional[str | os.PathLike] = None, force: bool = False) -> dict:
     """Write θ_global of the checkpoint in `checkpoint_dir` to folder `out` as a transformers model with
@@ -165,8 +194,11 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
     load_global_parameters(source.model, state["global_state"], source.described_as)
     match_special_tokens(source)
     out.mkdir(parents=True, exist_ok=True)
-    source.model.save_pretrained(out)
-    source.tokenizer.save_pretrained(out)
+    before = file_states(out)
+    with no_transformers_progress_bar():  # the success line is the last thing `export` prints
+        source.model.save_pretrained(out)
+        source.tokenizer.save_pretrained(out)
+    give_normal_modes(path for path, state in file_states(out).items() if before.get(path) != state)
     record = dict(run_name=source.run_name, outer_step=state.get("outer_step"), global_sha256=state["sha256"],
                   checkpoint=str(checkpoint_path(checkpoint_dir).resolve()), model_from=source.described_as,
                   p2p_diloco_version=__version__)

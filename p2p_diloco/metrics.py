@@ -12,6 +12,13 @@ from typing import Any, Optional
 
 TENSORBOARD_MISSING = "--tensorboard needs the tensorboard package: pip install 'p2p-diloco[tensorboard]'"
 
+# Every event a peer writes, in about the order a run meets them: `--metrics-file`'s help lists these, README's
+# Metrics section describes each, and MetricsWriter refuses any other (a new event is added here first).
+EVENTS = (
+    "join", "reachability", "state_loaded", "state_load_failed", "state_refused", "outer_step", "attempt_failed",
+    "round_failed", "round_skipped", "round_rejected", "round_stopped", "excluded", "exit",
+)
+
 
 class MetricsWriter:
     """Appends one JSON object per line and flushes it, so a crash loses at most the line being written.
@@ -32,6 +39,9 @@ class MetricsWriter:
             self._file = open(path, "a", buffering=1)
 
     def write(self, event: str, **fields: Any) -> dict:
+        if event not in EVENTS:
+            raise ValueError(f"metrics event {event!r} is not in p2p_diloco.metrics.EVENTS: add it there and to "
+                             f"README's Metrics section")
         record = {"event": event, "peer_id": self.peer_id, **fields, "time": time.time()}
         self._records += 1
         if self._file is not None:

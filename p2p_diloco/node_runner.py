@@ -12,22 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from p2p_diloco.logs import flush_child_logs, setup_logging
+
 logger = logging.getLogger("p2p_diloco")
 
 EXIT_OK, EXIT_USAGE, EXIT_UNREACHABLE = 0, 2, 3
 EXIT_OTHER_SETTINGS = 4  # the run's peers train with other settings: this peer can never average with them
 EXIT_NO_STATE = 5  # the run is ahead and nothing served its state: training would fork it (train/catch_up.py)
 EXIT_ISLAND_BROKEN = 6  # a rank of this peer's island failed (train/island.py)
-
-
-def setup_logging(verbose: bool, prefix: str = "") -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if not verbose:  # hivemind's own INFO lines are noise for a user; its warnings still show
-        logging.getLogger("hivemind").setLevel(logging.WARNING)
 
 
 def install_stop_handlers(why: str = "") -> threading.Event:
@@ -57,6 +49,7 @@ def shutdown_dht(dht) -> None:
     children = without_torch_shm_manager(descendant_pids(os.getpid()))  # the manager exits with us
     dht.shutdown()
     stop_processes(children)
+    flush_child_logs()  # their last lines, on a terminal (p2p_diloco.logs)
 
 
 def skip_final_garbage_collection() -> None:

@@ -1,6 +1,10 @@
-"""The bootstrap node: copyable multiaddrs, a stable identity, and a clean stop with its p2pd daemon."""
+"""The bootstrap node: copyable multiaddrs, a stable identity, a clean stop with its p2pd daemon, and the
+dial-back check it answers (`p2p-diloco env --initial-peers`)."""
 
+import json
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -39,5 +43,12 @@ def test_identity_file_keeps_the_peer_id_and_sigterm_stops_p2pd(processes, tmp_p
                              "--identity-path", str(key))
     maddr_2 = read_first_line(second)
     assert maddr_1.split("/p2p/")[1] == maddr_2.split("/p2p/")[1]
+    # `env`'s dial-back check, through this bootstrap node: on loopback, it dials this machine back
+    result = subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "env", "--initial-peers", maddr_2, "--host",
+                             "127.0.0.1", "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    reachability = json.loads(result.stdout)["reachability"]
+    assert reachability["checked"] and reachability["mode"] == "direct", reachability
+    assert "1 peer(s) dialed TCP port(s)" in reachability["detail"]
     second.send_signal(signal.SIGINT)
     assert second.wait(10) == 0

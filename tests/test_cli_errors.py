@@ -18,7 +18,7 @@ def run_cli(*args, cwd=None, timeout=90):
                           timeout=timeout, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
-@pytest.mark.parametrize("command", [[], ["bootstrap"], ["peer"], ["join"], ["status"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["bootstrap"], ["peer"], ["join"], ["status"], ["demo"], ["env"]])
 def test_help_of_every_command(command):
     result = run_cli(*command, "--help")
     assert result.returncode == 0

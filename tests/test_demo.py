@@ -22,8 +22,22 @@ def test_demo_writes_summary_and_plot(tmp_path):
         capture_output=True, text=True, timeout=380,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    progress = [line for line in result.stdout.splitlines() if line.startswith("demo: outer step")]
+    lines = result.stdout.splitlines()
+    progress = [line for line in lines if line.startswith("demo: outer step")]
     assert progress[-1].startswith("demo: outer step 3/3, loss ")  # the swarm's progress, shown while it ran
+    # a line per phase before the progress: nobody watches 0/3 without knowing why
+    phases = ["demo: building the tokenizer and data of", "demo: starting the bootstrap node",
+              "demo: bootstrap node at /ip4/127.0.0.1/", "demo: waiting for the 2 peers to start",
+              "demo: 2 peers joined after", "demo: outer step", "demo: evaluating θ_global"]
+    found = [next(i for i, line in enumerate(lines) if line.startswith(phase)) for phase in phases]
+    assert found == sorted(found), lines
+    # and a short summary with the files' paths, not summary.json
+    end = lines[-4:]
+    assert end[0].startswith("demo: 3 outer steps in ") and "held-out loss " in end[0], end
+    assert "the same θ_global on every peer" in end[0]
+    assert end[1:] == [f"demo: summary: {out / 'summary.json'}", f"demo: plot:    {out / 'loss.png'}",
+                       f"demo: logs:    {out / 'bootstrap.log'}, {out / 'peer-*.log'} (metrics: peer-*.metrics.jsonl)"]
+    assert '"peers"' not in result.stdout, lines  # summary.json is not printed
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["peers"]) == 2
     for peer in summary["peers"]:
@@ -33,5 +47,6 @@ def test_demo_writes_summary_and_plot(tmp_path):
         assert 0 < peer["compute_utilization"] <= 1
     assert summary["all_final_hashes_equal"]
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert f"held-out loss {summary['initial_eval_loss']:.3f} -> {summary['final_eval_loss']:.3f}" in end[0]
     assert summary["total_bytes_sent"] > 0 and summary["wall_seconds"] > 0
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import logging
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
 import sys
+import termios
+import time
+import tty
 
 import pytest
 
 from p2p_diloco.metrics import TENSORBOARD_MISSING, MetricsWriter, read_metrics
 from p2p_diloco.train.display import InnerProgress
+from tests.conftest import REPO
 
 
 class Clock:
@@ -92,3 +103,91 @@ def test_the_demo_describes_the_swarm_by_its_slowest_peer():
     assert describe_swarm_progress([[], []], 16) == "demo: outer step 0/16"
     steps = [[record(1, 6.0, 1.0), record(2, 5.5, 3.0)], [record(1, 6.1, 2.0)], [record(1, 6.2, 1.5)]]
     assert describe_swarm_progress(steps, 16) == "demo: outer step 1/16 (peers at 1-2), loss 5.500"
+
+
+PTY_SCRIPT = '''
+import logging, multiprocessing
+from hivemind.utils.logging import get_logger
+from p2p_diloco.logs import flush_child_logs
+from p2p_diloco.node_runner import setup_logging
+from p2p_diloco.train.display import InnerProgress
+
+setup_logging(verbose=False)
+context = multiprocessing.get_context("fork")
+bar_shown = context.Event()
+
+def child():  # as hivemind's DHT and averager: forked before training starts, it logs while the bar is shown
+    bar_shown.wait(60)
+    for i in range(5):
+        logging.getLogger("p2p_diloco.sync.exact_allreduce").info("all-reduce started: child line %d", i)
+        get_logger("hivemind.averaging.averager").info("hivemind chatter %d", i)
+        get_logger("hivemind.averaging.averager").warning("hivemind warning %d", i)
+
+proc = context.Process(target=child)
+proc.start()
+display = InnerProgress()  # on stdout, the terminal
+display.start_round(0, 10_000)
+display.step(loss=4.0, tokens=100)
+bar_shown.set()
+steps = 0
+while proc.is_alive() or steps < 50:
+    display.step(loss=4.0, tokens=100)
+    steps += 1
+    if steps % 20 == 0:
+        logging.getLogger("p2p_diloco").info("parent line %d", steps)
+    proc.join(0.01)
+flush_child_logs()
+display.close()
+'''
+
+LOG_LINE_START = re.compile(rb"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+
+
+def run_in_pty(code: str, timeout_s: float = 120.0) -> bytes:
+    """What `code` writes to a real terminal (a pty, 120x30, no newline translation), stdout and stderr both."""
+    master, slave = pty.openpty()
+    tty.setraw(slave)
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=slave, stdout=slave, stderr=slave,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    os.close(slave)
+    output = b""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: every process holding the terminal has closed it
+                    break
+                if not chunk:
+                    break
+                output += chunk
+            elif proc.poll() is not None:
+                break
+        assert proc.wait(timeout=max(deadline - time.monotonic(), 1)) == 0, output.decode(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    return output
+
+
+@pytest.mark.timeout(180)
+def test_on_a_terminal_every_log_line_starts_at_column_0_also_a_forked_processes():
+    """The lines of a forked process (hivemind's averager and DHT run in such) and hivemind's own, while a
+    progress bar is shown: each starts at column 0 and ends before anything else is written, in our format."""
+    output = run_in_pty(PTY_SCRIPT)
+    text = output.decode(errors="replace")
+    assert "outer step 1: " in text  # the bar was shown
+    starts = [m.start() for m in LOG_LINE_START.finditer(output)]
+    lines = [output[start:output.index(b"\n", start)].decode() for start in starts]
+    assert sum("child line" in line for line in lines) == 5 and sum("parent line" in line for line in lines) >= 2
+    for start, line in zip(starts, lines):
+        assert start == 0 or output[start - 1:start] in (b"\r", b"\n"), (line, output[start - 80:start])
+        assert "\r" not in line and "outer step" not in line, line  # nothing was written over it
+    hivemind_lines = [line for line in lines if "hivemind" in line]
+    assert len(hivemind_lines) == 5 and all(" WARN hivemind.averaging.averager: hivemind warning " in line
+                                            for line in hivemind_lines), hivemind_lines  # its INFO only with -v
+    assert "[INFO]" not in text and "[WARN]" not in text  # hivemind's own format

@@ -5,7 +5,8 @@ with a checkpoint directory; then
 
 * `export` writes a folder that `AutoModelForCausalLM.from_pretrained` and
   `AutoTokenizer.from_pretrained` load, whose logits are θ_global's and whose tokenizer gives the
-  run's ids, with a record of the global state it came from;
+  run's ids, with a record of the global state it came from, every file with the mode the umask gives an
+  ordinary write, and no progress bar after its success line;
 * a checkpoint without the files a peer saves beside it exports with `--config`, and says so without;
 * no checkpoint, a non-empty --out, a damaged checkpoint, tensors of another model and a --config of
   other settings than the checkpoint was trained with are one-line errors with exit status 2;
@@ -59,9 +60,9 @@ def trained(tmp_path_factory):
     return config, checkpoint_dir
 
 
-def export_cli(*args: str) -> subprocess.CompletedProcess:
+def export_cli(*args: str, umask: int = -1) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "export", *args], capture_output=True, text=True,
-                          timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)}, umask=umask)
 
 
 def model_holding_theta_global(config, checkpoint_dir):
@@ -80,9 +81,13 @@ def model_holding_theta_global(config, checkpoint_dir):
 def test_the_exported_folder_loads_with_theta_globals_logits_and_the_runs_tokenizer(trained, tmp_path):
     config, checkpoint_dir = trained
     out = tmp_path / "model"
-    result = export_cli("--checkpoint-dir", str(checkpoint_dir), "--out", str(out))
+    result = export_cli("--checkpoint-dir", str(checkpoint_dir), "--out", str(out), umask=0o027)
     assert result.returncode == 0, result.stderr
     assert "exported θ_global (run 'test', outer step 1" in result.stdout
+    assert "Writing model shards" not in result.stderr  # no transformers progress bar after the success line
+    # every file as an ordinary write makes it under this umask (safetensors' own write left 0600)
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o640)}, modes
 
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
