@@ -77,6 +77,22 @@ def test_one_stranger_cannot_move_the_plots_far():
     assert history.summary["tokens_trained"] == 4 * 100 * 16
 
 
+def test_the_held_out_loss_comes_from_peers_and_keepers_and_one_stranger_cannot_move_it_far():
+    history = RunHistory("test")
+    # the peers measured θ_global at step 10 (eval.every = 10); one of them is still at step 0's "none yet"
+    peers = [row(f"peer{i}", outer_step=11, eval_loss=loss, eval_step=10) for i, loss in enumerate((2.4, 2.6, 2.5))]
+    peers.append(row("peer3", outer_step=11))
+    stranger = row("stranger", outer_step=11, eval_loss=0.0, eval_step=10**6)  # a step far ahead, a loss of 0
+    keeper = row("keeper", phase="keeping", outer_step=8, samples=0, eval_loss=2.9, eval_step=5)
+    history.observe([*peers, stranger, keeper], tokens_per_sample=16, now=1.0)
+    series = history.series["eval_loss"]
+    assert series.steps == [10] and series.values == [2.5] and history.summary["eval_loss"] == 2.5
+    # the next measurement, once most peers have it: a new point at its own step (the line joins measurements)
+    peers = [row(f"peer{i}", outer_step=20, eval_loss=2.0, eval_step=20) for i in range(3)]
+    history.observe([*peers, stranger, keeper], tokens_per_sample=16, now=2.0)
+    assert series.steps == [10, 20] and series.values == [2.5, 2.0]
+
+
 def test_markup_in_a_record_is_shown_as_text():
     api = dict(time=1.0, runs=[dict(run="test", peers=[row("peer0", device=MARKUP, version="<b>0</b>")],
                                     summary={}, history={})])
