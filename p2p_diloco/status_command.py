@@ -20,8 +20,8 @@ from p2p_diloco.node_runner import (
 
 logger = logging.getLogger(__name__)
 
-COLUMNS = ("peer", "step", "phase", "inner steps", "samples/s", "loss", "held-out", "reach", "answers", "device", "ranks",
-           "version", "uptime", "shard", "settings")
+COLUMNS = ("peer", "step", "phase", "inner steps", "samples/s", "loss", "held-out", "reach", "answers", "device",
+           "ranks", "version", "uptime", "shard", "settings")
 
 
 def find_runs(dht) -> dict[str, int]:

@@ -234,4 +234,5 @@ def test_a_status_record_as_a_peer_publishes_it_passes_every_nodes_schema_check(
 
     assert validator.validate(record(value))
     assert validator.validate(record(dict(value, stored_step=3, phase="keeping")))
+    assert validator.validate(record(dict(value, eval_loss=4.0833, eval_step=9)))  # its latest held-out loss
     assert not validator.validate(record({k: v for k, v in value.items() if k != "stored_step"}))

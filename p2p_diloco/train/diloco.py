@@ -327,9 +327,9 @@ class DiLoCoPeer:
             self.global_model.outer_step, self.model, self.local_params, self.global_model.params)
         if evaluation is None:
             return
-        self.view.evaluated(evaluation.outer_step, evaluation.loss)
         self.metrics.write("eval", outer_step=evaluation.outer_step, eval_loss=evaluation.loss,
                            sequences=evaluation.sequences, seconds=evaluation.seconds)
+        self.view.evaluated(evaluation.outer_step, evaluation.loss)  # after the record: never ahead of it
         logger.info("outer step %d: held-out loss of θ_global %.4f (%d sequences, %.2f s)", evaluation.outer_step,
                     evaluation.loss, evaluation.sequences, evaluation.seconds)
 
