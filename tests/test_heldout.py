@@ -3,6 +3,7 @@
 (A real peer writing `eval` records and publishing its held-out loss: tests/test_run_page.py's swarm.)
 """
 
+import pytest
 import torch
 
 from p2p_diloco.train.heldout import EvalSchedule, HeldoutEval, evaluate_global
@@ -11,6 +12,8 @@ from tests.conftest import tiny_config
 
 CFG = tiny_config()
 VOCAB = 300
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                              reason="needs a CUDA GPU")])
 
 
 def due_steps(schedule: EvalSchedule, steps) -> list[int]:
@@ -37,11 +40,14 @@ def models():
     return local, holding_global
 
 
-def test_theta_global_is_evaluated_in_the_training_model_and_theta_local_is_back_bit_for_bit():
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_theta_global_is_evaluated_in_the_training_model_and_theta_local_is_back_bit_for_bit(device):
+    """θ_global in fp32 on the CPU, as GlobalModel keeps it; the model training on `device`."""
     local, holding_global = models()
+    local, holding_global = local.to(device), holding_global.to(device)
     params = trainable_parameters(local)
     before = [p.detach().clone() for p in params]
-    theta_global = [p.detach().clone() for p in trainable_parameters(holding_global)]
+    theta_global = [p.detach().to("cpu", copy=True) for p in trainable_parameters(holding_global)]
     sequences = torch.randint(0, VOCAB, (5, CFG.data.seq_len), generator=torch.Generator().manual_seed(0))
 
     loss = evaluate_global(local, params, theta_global, sequences, batch_size=2)
