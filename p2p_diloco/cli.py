@@ -90,9 +90,10 @@ def _page_options(host_flag: str, port_flag: str, refresh_flag: str, default_por
               help="Keep the state of this run for it: follow the run step by step, serve its latest agreed "
                    "state to joiners (also when all of its peers are gone), and write it to the run's "
                    "swarm.checkpoint_store every swarm.checkpoint_every outer steps. Holds the model on the CPU.")
-@click.option("--keep-eval-sequences", default=32, show_default=True, type=click.IntRange(0),
-              help="With --keep: evaluate each state it loads on this many of the run's held-out sequences, for "
-                   "the run's page (0: never).")
+@click.option("--keep-eval-sequences", default=None, type=click.IntRange(0),
+              help="With --keep: evaluate the state it keeps on this many of the run's held-out sequences, every "
+                   "eval.every outer steps of the run's config, for `status` and the run's page (default: the "
+                   "config's eval.sequences; 0: never).")
 @_page_options("--page-host", "--page-port", "--page-refresh", default_port=None)
 def bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose, assist, assist_max_params, keep,
               keep_eval_sequences, page_host, page_port, refresh_s):

@@ -222,6 +222,18 @@ class ComputeConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """The held-out loss of θ_global while the run trains (p2p_diloco.train.heldout): each peer's own choice,
+    outside the settings fingerprint, so peers of one run may evaluate differently or not at all."""
+
+    # outer steps between evaluations (a peer evaluates the first θ_global it holds in each span of this many
+    # outer steps); 0: never. On the demo, 16 sequences every 10 outer steps cost well under 1 % of its time
+    every: int = int_at_least(10, 0)
+    # the first this many sequences of the run's held-out split (data.holdout_fraction), the same on every peer
+    sequences: int = int_at_least(16, 1)
+
+
+@dataclass(frozen=True)
 class SwarmConfig:
     """Timeouts (seconds) of every network wait; see docs/timeouts.md for what each bounds."""
 
@@ -268,6 +280,7 @@ class Config:
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
 
     def replace(self, **sections: Mapping[str, Any]) -> "Config":
@@ -413,7 +426,7 @@ def shared_settings(cfg: Config, tokenizer_sha256: str) -> dict[str, Any]:
     Peers whose settings differ must not average: their parameters mean different things (model,
     tokenizer), or their pseudo-gradients come from different optimisation problems (data, inner and
     outer optimizer, seed). Left out: timeouts and other `[swarm]` values (each peer's own), `[compute]`
-    (how a peer computes: precision, compile, micro-batches), the local paths of data files (the corpus
+    (how a peer computes: precision, compile, micro-batches), `[eval]` (how often it measures θ_global), the local paths of data files (the corpus
     shows in a locally trained tokenizer), and how a peer splits its batch into accumulated batches
     (only batch_size × grad_accumulation counts). Peers publish these in
     their status records, so a peer that finds the run on other settings can name the ones that differ.

@@ -1,8 +1,10 @@
 """`p2p-diloco demo`: a whole swarm on one machine, offline, through the real CLI.
 
 Starts a bootstrap node and N `p2p-diloco peer` processes on 127.0.0.1, waits until each has taken
-the requested number of outer steps, stops every process it started, then evaluates θ_global on
-held-out text and writes ``summary.json`` and ``loss.png``.
+the requested number of outer steps, stops every process it started, then evaluates the initial model
+and the final θ_global on held-out text and writes ``summary.json`` and ``loss.png``. The peers
+measure θ_global on the same held-out sequences every ``eval.every`` outer steps while they train
+(their ``eval`` metrics records): the plot draws those measurements, and no line where none was taken.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -175,8 +178,10 @@ class DemoProgress:
             self._bar.close()
 
 
-def evaluate(config_path: Path, checkpoint_dirs: list[Path]) -> tuple[float, Optional[float]]:
-    """Held-out loss of the initial model and of the final θ_global (from the newest checkpoint)."""
+def evaluate(config_path: Path, checkpoint_dirs: list[Path], sequences: Optional[int] = None
+             ) -> tuple[float, Optional[float]]:
+    """Held-out loss of the initial model and of the final θ_global (from the newest checkpoint), on the first
+    `sequences` held-out sequences (None: all of them)."""
     from p2p_diloco.config import load_config
     from p2p_diloco.export import load_global_parameters
     from p2p_diloco.train.checkpoint import load_checkpoint
@@ -185,14 +190,15 @@ def evaluate(config_path: Path, checkpoint_dirs: list[Path]) -> tuple[float, Opt
 
     cfg = load_config(config_path)
     data = TextData(cfg.data)
+    heldout = data.heldout[:sequences]
     model = build_run_model(cfg, data.tokenizer)  # as the peers built it
-    initial = evaluate_loss(model, data.heldout)
+    initial = evaluate_loss(model, heldout)
     checkpoints = [c for c in (load_checkpoint(d) for d in checkpoint_dirs) if c is not None]
     if not checkpoints:
         return initial, None
     newest = max(checkpoints, key=lambda c: c["outer_step"])
     load_global_parameters(model, newest["global_state"], f"run config {str(config_path)!r}")
-    return initial, evaluate_loss(model, data.heldout)
+    return initial, evaluate_loss(model, heldout)
 
 
 def mean_utilization(steps: list[dict]) -> Optional[float]:
@@ -202,12 +208,31 @@ def mean_utilization(steps: list[dict]) -> Optional[float]:
     return compute_utilization(inner, wall) if wall > 0 else None
 
 
-def summarize(out_dir: Path, num_peers: int, initial: float, final: Optional[float], wall_s: float) -> dict:
+def peer_records(out_dir: Path, index: int, event: Optional[str] = None) -> list[dict]:
+    """Peer `index`'s metrics records (of one `event`, if given); none if it wrote no file."""
+    path = out_dir / f"peer-{index}.metrics.jsonl"
+    records = read_metrics(path) if path.exists() else []
+    return [r for r in records if event is None or r["event"] == event]
+
+
+def heldout_measurements(out_dir: Path, num_peers: int) -> list[dict]:
+    """The held-out losses of θ_global the peers measured while they trained (their ``eval`` records), one per
+    outer step: the median over the peers that measured it (they hold the same θ_global, so they agree up
+    to rounding)."""
+    by_step: dict[int, list[float]] = {}
+    for i in range(num_peers):
+        for r in peer_records(out_dir, i, "eval"):
+            by_step.setdefault(r["outer_step"], []).append(r["eval_loss"])
+    return [dict(outer_step=step, eval_loss=statistics.median(losses), peers=len(losses))
+            for step, losses in sorted(by_step.items())]
+
+
+def summarize(out_dir: Path, num_peers: int, initial: float, final: Optional[float], wall_s: float,
+              eval_sequences: Optional[int] = None) -> dict:
     peers = []
     total_sent = 0
     for i in range(num_peers):
-        path = out_dir / f"peer-{i}.metrics.jsonl"
-        records = read_metrics(path) if path.exists() else []
+        records = peer_records(out_dir, i)
         steps = [r for r in records if r["event"] == "outer_step"]
         total_sent += steps[-1]["bytes_sent"] if steps else 0
         peers.append(dict(
@@ -223,9 +248,22 @@ def summarize(out_dir: Path, num_peers: int, initial: float, final: Optional[flo
         all_final_hashes_equal=len({p["final_global_sha256"] for p in peers}) == 1,
         initial_eval_loss=initial,
         final_eval_loss=final,
+        # the first eval.sequences of the held-out split (all of it if it is smaller): before, during and after
+        eval_sequences=eval_sequences,
+        heldout_evaluations=heldout_measurements(out_dir, num_peers),
         total_bytes_sent=total_sent,
         wall_seconds=wall_s,
     )
+
+
+def heldout_curve(summary: dict) -> list[tuple[int, float]]:
+    """(outer step, held-out loss) of each measurement of the run: the initial model at step 0, the peers'
+    measurements while they trained, and the final θ_global where the peers did not measure it."""
+    points = {0: summary["initial_eval_loss"]}
+    points.update((e["outer_step"], e["eval_loss"]) for e in summary["heldout_evaluations"])
+    if summary["final_eval_loss"] is not None:
+        points.setdefault(max(p["final_outer_step"] for p in summary["peers"]), summary["final_eval_loss"])
+    return sorted(points.items())
 
 
 def plot_losses(out_dir: Path, num_peers: int, summary: dict) -> Path:
@@ -236,13 +274,12 @@ def plot_losses(out_dir: Path, num_peers: int, summary: dict) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for i in range(num_peers):
-        path = out_dir / f"peer-{i}.metrics.jsonl"
-        steps = [r for r in read_metrics(path) if r["event"] == "outer_step"] if path.exists() else []
+        steps = peer_records(out_dir, i, "outer_step")
         ax.plot([r["outer_step"] for r in steps], [r["loss"] for r in steps], marker="o", label=f"peer {i} (train)")
-    if summary["final_eval_loss"] is not None:
-        last = max(p["final_outer_step"] for p in summary["peers"])
-        ax.plot([0, last], [summary["initial_eval_loss"], summary["final_eval_loss"]], "k--", marker="s",
-                label="held-out, θ_global")
+    curve = heldout_curve(summary)  # a line only between measurements
+    sequences = f", {summary['eval_sequences']} sequences" if summary.get("eval_sequences") else ""
+    ax.plot([s for s, _ in curve], [loss for _, loss in curve], "k-", marker="s",
+            label=f"held-out, θ_global{sequences}")
     ax.set_xlabel("outer step")
     ax.set_ylabel("cross-entropy loss")
     ax.set_title("p2p-diloco demo")
@@ -303,8 +340,10 @@ def run_demo(num_peers: int, outer_steps: int, config_path: Optional[str], out: 
     wall_s = time.monotonic() - started
     failed = [i for i, p in enumerate(peers) if p.returncode != 0]
     say("evaluating θ_global on held-out text")
-    initial, final = evaluate(config, [out_dir / f"peer-{i}" for i in range(num_peers)])
-    summary = summarize(out_dir, num_peers, initial, final, wall_s)
+    # on the held-out sequences the peers measure (eval.sequences), so that the plot draws one measure
+    sequences = load_config(config).eval.sequences
+    initial, final = evaluate(config, [out_dir / f"peer-{i}" for i in range(num_peers)], sequences)
+    summary = summarize(out_dir, num_peers, initial, final, wall_s, sequences)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plot = plot_losses(out_dir, num_peers, summary)
     for line in final_lines(out_dir, summary, plot):

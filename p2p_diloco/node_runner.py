@@ -82,7 +82,7 @@ class BootstrapOptions:
     assist: bool = True
     assist_max_params: int = 50_000_000
     keep: Optional[str] = None
-    keep_eval_sequences: int = 32
+    keep_eval_sequences: Optional[int] = None  # None: the run config's eval.sequences
     page: Optional[tuple[str, int, float]] = None
 
 
@@ -138,10 +138,10 @@ def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose
 KEEPER_STOP_S = 60.0  # how long a stopping bootstrap node waits for its keeper to leave the run
 
 
-def _prepare_keeper(config_path: str, peer_id: str, eval_sequences: int):
+def _prepare_keeper(config_path: str, peer_id: str, eval_sequences: Optional[int]):
     """What the keeper of the run `config_path` describes needs before the node starts: the run config, the
     model (on the CPU: it holds θ_global and the momentum, and never trains), the run's settings and the
-    first `eval_sequences` held-out sequences it evaluates θ_global on.
+    first `eval_sequences` (None: ``eval.sequences``) held-out sequences it evaluates θ_global on.
     ConfigError or DataError (one line) if they cannot be had."""
     import torch
 
@@ -149,7 +149,7 @@ def _prepare_keeper(config_path: str, peer_id: str, eval_sequences: int):
 
     cfg = load_config(config_path)
     model, settings, peer_data, _, heldout = _prepare_training(cfg, peer_id, torch.device("cpu"))
-    return cfg, model, settings, peer_data, heldout[:eval_sequences]
+    return cfg, model, settings, peer_data, heldout[:cfg.eval.sequences if eval_sequences is None else eval_sequences]
 
 
 def _start_keeper(prepared, dht, identity, stop) -> threading.Thread:
@@ -390,8 +390,8 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
         metrics = MetricsWriter(options.metrics_file, identity.peer_id, tensorboard_dir=options.tensorboard)
         if island is not None:
             island.send("hello", identity.peer_id)  # the other ranks read the data in this peer's order
-        model, settings, peer_data, micro_batch_size, _ = _prepare_training(cfg, identity.peer_id, device,
-                                                                         _shards(island))
+        model, settings, peer_data, micro_batch_size, heldout = _prepare_training(cfg, identity.peer_id, device,
+                                                                               _shards(island))
         if island is not None:
             lead = IslandLead(island, model, island.prepare_model(model))
         if cfg.swarm.checkpoint_dir:  # before its export assets are rewritten for this config
@@ -425,7 +425,8 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
             # the run's bootstrap nodes are its keepers: their word on the run's state counts like a groupmate's
             trainer = DiLoCoPeer(cfg, model, peer_data, node, settings, metrics, stop_event=install_stop_handlers(why),
                                  display=InnerProgress(), micro_batch_size=micro_batch_size,
-                                 trusted_peers=peer_ids_of(initial_peers), island=lead)
+                                 trusted_peers=peer_ids_of(initial_peers), island=lead,
+                                 heldout=heldout[:cfg.eval.sequences])
         except StoreError as e:  # a checkpoint store URL that fsspec cannot open
             trainer, error = None, (str(e), EXIT_USAGE)
         try:

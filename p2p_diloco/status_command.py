@@ -20,8 +20,8 @@ from p2p_diloco.node_runner import (
 
 logger = logging.getLogger(__name__)
 
-COLUMNS = ("peer", "step", "phase", "inner steps", "samples/s", "loss", "reach", "answers", "device", "ranks", "version",
-           "uptime", "shard", "settings")
+COLUMNS = ("peer", "step", "phase", "inner steps", "samples/s", "loss", "held-out", "reach", "answers", "device",
+           "ranks", "version", "uptime", "shard", "settings")
 
 
 def find_runs(dht) -> dict[str, int]:
@@ -54,13 +54,20 @@ def peer_cells(r: dict, main: Optional[str]) -> dict[str, str]:
     most common settings fingerprint."""
     return dict(zip(COLUMNS, (
         r["peer_id"][-8:], str(r["outer_step"]), r["phase"], str(r["inner_steps"]), f"{r['samples_per_s']:.1f}",
-        "-" if r["loss"] is None else f"{r['loss']:.3f}",
+        "-" if r["loss"] is None else f"{r['loss']:.3f}", held_out_cell(r),
         "direct" if r["reachability"] == "direct" else "NAT",
         {True: "yes", False: "NO", None: "-"}[r["answers"]], r["device"], str(r.get("ranks", 1)), r["version"],
         format_duration(r["uptime_s"]),
         "-" if r["data_shard"] is None else str(r["data_shard"]),
         r["fingerprint"][:8] + ("" if r["fingerprint"] == main else " (other)"),
     )))
+
+
+def held_out_cell(r: dict) -> str:
+    """``2.345@10``: the peer's latest held-out loss of θ_global and the outer step it measured it at (its claim:
+    the record's schema bounds it, nobody checks it), or ``-``."""
+    loss, step = r.get("eval_loss"), r.get("eval_step")
+    return "-" if loss is None else f"{loss:.3f}" + ("" if step is None else f"@{step}")
 
 
 def main_fingerprint(fingerprints: Iterable[str]) -> Optional[str]:

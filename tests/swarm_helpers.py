@@ -24,7 +24,7 @@ def start_bootstrap(processes: Processes, host: Host = LOOPBACK, *extra: str) ->
 def tiny_config_file(directory: Path, **sections) -> Path:
     raw = {name: dict(values) for name, values in TINY.items()}
     for name, values in sections.items():
-        raw[name].update(values)
+        raw.setdefault(name, {}).update(values)
     directory.mkdir(parents=True, exist_ok=True)
     return write_toml(directory / "run.toml", raw)
 
@@ -57,8 +57,13 @@ def assert_consistent(metrics_files: list[Path]) -> None:
             assert record["loss"] == record["loss"], f"NaN loss in {record}"
 
 
+def events(metrics: Path, event: str) -> list[dict]:
+    """The records of one kind (``outer_step``, ``eval``, ``join``, ...) in a peer's metrics file."""
+    return [r for r in read_metrics(metrics) if r["event"] == event] if metrics.exists() else []
+
+
 def outer_steps(metrics: Path) -> list[dict]:
-    return [r for r in read_metrics(metrics) if r["event"] == "outer_step"] if metrics.exists() else []
+    return events(metrics, "outer_step")
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.5) -> None:

@@ -30,6 +30,10 @@ from tests.conftest import REPO
         ({"data": {"seq_len": 1024}}, "data.seq_len = 1024 exceeds model.max_position_embeddings = 512"),
         ({"data": {"shards": 0}}, "data.shards = 0 is invalid: must be an integer >= 1"),
         ({"data": {"tokenizer_documents": 0}}, "data.tokenizer_documents = 0 is invalid: must be an integer >= 1"),
+        ({"eval": {"every": -1}}, "eval.every = -1 is invalid: must be an integer >= 0"),
+        ({"eval": {"every": 2.5}}, "eval.every = 2.5 is invalid: must be an integer >= 0"),
+        ({"eval": {"sequences": 0}}, "eval.sequences = 0 is invalid: must be an integer >= 1"),
+        ({"eval": {"every_steps": 1}}, "unknown key eval.every_steps"),
     ],
 )
 def test_bad_values_name_key_value_and_rule(raw, message):
@@ -70,8 +74,9 @@ def test_fingerprint_covers_what_peers_must_share_and_nothing_else():
                             ("data", {"seq_len": 128}), ("data", {"shards": 8}),
                             ("data", {"tokenizer_documents": 100})]:
         assert run_fingerprint(cfg.replace(**{section: values}), "tokenizer-a") != base, section
-    # each peer's own: timeouts, where its files are, how it splits its batch into micro-batches
+    # each peer's own: timeouts, its held-out evaluation, where its files are, how it splits its batch
     assert run_fingerprint(cfg.replace(swarm={"round_wait_timeout": 5.0}), "tokenizer-a") == base
+    assert run_fingerprint(cfg.replace(eval={"every": 0, "sequences": 64}), "tokenizer-a") == base
     assert run_fingerprint(cfg.replace(data={"paths": ["/elsewhere/a.txt"]}), "tokenizer-a") == base
     split = cfg.replace(inner={"batch_size": 8, "grad_accumulation": 2})
     assert run_fingerprint(split, "tokenizer-a") == base

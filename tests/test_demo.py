@@ -1,4 +1,5 @@
-"""`p2p-diloco demo`, the README's main command, end to end on a small setting."""
+"""`p2p-diloco demo`, the README's main command, end to end on a small setting: the summary, the held-out
+losses the peers measured while they trained, and the plot."""
 
 import json
 import subprocess
@@ -14,6 +15,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 def test_demo_writes_summary_and_plot(tmp_path):
     raw = {name: dict(values) for name, values in TINY.items()}
     raw["inner"]["steps_per_outer"] = 10
+    raw["eval"] = {"every": 1, "sequences": 8}  # the peers measure θ_global after each outer step
     config = write_toml(tmp_path / "run.toml", raw)
     out = tmp_path / "out"
     result = subprocess.run(
@@ -48,5 +50,10 @@ def test_demo_writes_summary_and_plot(tmp_path):
     assert summary["all_final_hashes_equal"]
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert f"held-out loss {summary['initial_eval_loss']:.3f} -> {summary['final_eval_loss']:.3f}" in end[0]
+    # each outer step's θ_global was measured by a peer that applied it, on the demo's own 8 sequences: the
+    # last measurement is the final θ_global's loss (θ_global, not a peer's θ_local), up to rounding
+    measured = summary["heldout_evaluations"]
+    assert [e["outer_step"] for e in measured] == [1, 2, 3] and summary["eval_sequences"] == 8
+    assert abs(measured[-1]["eval_loss"] - summary["final_eval_loss"]) < 1e-4, (measured, summary)
     assert summary["total_bytes_sent"] > 0 and summary["wall_seconds"] > 0
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

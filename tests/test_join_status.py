@@ -20,11 +20,10 @@ import pytest
 import torch
 
 from p2p_diloco.manifest import lock_state_dir
-from p2p_diloco.metrics import read_metrics
 from p2p_diloco.node_runner import EXIT_OTHER_SETTINGS, EXIT_USAGE
 from tests.conftest import REPO
 from tests.swarm_helpers import (
-    FAST_TIMEOUTS, last_step, proc, start_bootstrap, start_peer, swarm, tiny_config_file,
+    FAST_TIMEOUTS, events, last_step, proc, start_bootstrap, start_peer, swarm, tiny_config_file,
     wait_for_steps, wait_until,
 )
 
@@ -41,10 +40,6 @@ def exited(processes, name: str, timeout_s: float = 240) -> int:
     process = proc(processes, name)
     wait_until(lambda: process.poll() is not None, timeout_s, f"{name} to exit")
     return process.returncode
-
-
-def events(metrics, event: str) -> list[dict]:
-    return [r for r in read_metrics(metrics) if r["event"] == event]
 
 
 def test_join_a_shipped_manifest_then_continue_after_a_restart(processes, tmp_path):

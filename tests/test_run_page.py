@@ -28,8 +28,8 @@ from p2p_diloco.run_page.render import render_main
 from tests.conftest import REPO
 from tests.hostile import MARKUP
 from tests.swarm_helpers import (
-    FAST_TIMEOUTS, LOOPBACK, last_step, peer_id_of, start_bootstrap, start_peer, tiny_config_file, wait_for_steps,
-    wait_until,
+    FAST_TIMEOUTS, LOOPBACK, events, last_step, peer_id_of, start_bootstrap, start_peer, tiny_config_file,
+    wait_for_steps, wait_until,
 )
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -75,6 +75,22 @@ def test_one_stranger_cannot_move_the_plots_far():
     history.observe([], tokens_per_sample=16, now=2.0)  # every peer left: the run stays where it was
     assert history.summary["outer_step"] == 5 and history.series["peers"].values[-1] == 0
     assert history.summary["tokens_trained"] == 4 * 100 * 16
+
+
+def test_the_held_out_loss_comes_from_peers_and_keepers_and_one_stranger_cannot_move_it_far():
+    history = RunHistory("test")
+    # the peers measured θ_global at step 10 (eval.every = 10); one of them is still at step 0's "none yet"
+    peers = [row(f"peer{i}", outer_step=11, eval_loss=loss, eval_step=10) for i, loss in enumerate((2.4, 2.6, 2.5))]
+    peers.append(row("peer3", outer_step=11))
+    stranger = row("stranger", outer_step=11, eval_loss=0.0, eval_step=10**6)  # a step far ahead, a loss of 0
+    keeper = row("keeper", phase="keeping", outer_step=8, samples=0, eval_loss=2.9, eval_step=5)
+    history.observe([*peers, stranger, keeper], tokens_per_sample=16, now=1.0)
+    series = history.series["eval_loss"]
+    assert series.steps == [10] and series.values == [2.5] and history.summary["eval_loss"] == 2.5
+    # the next measurement, once most peers have it: a new point at its own step (the line joins measurements)
+    peers = [row(f"peer{i}", outer_step=20, eval_loss=2.0, eval_step=20) for i in range(3)]
+    history.observe([*peers, stranger, keeper], tokens_per_sample=16, now=2.0)
+    assert series.steps == [10, 20] and series.values == [2.5, 2.0]
 
 
 def test_markup_in_a_record_is_shown_as_text():
@@ -150,7 +166,9 @@ PAGE_AT = r"the run's page is at (http://127\.0\.0\.1:\d+/)"
 @pytest.mark.swarm
 @pytest.mark.timeout(480)
 def test_status_as_a_table_as_json_and_as_a_page_in_a_browser(processes, tmp_path, chromium):
-    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS)
+    # the peers and the keeper measure θ_global on 4 held-out sequences after every outer step
+    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS,
+                              eval={"every": 1, "sequences": 4})
     maddr = start_bootstrap(processes, LOOPBACK, "--keep", str(config), "--page-port", "0", "--page-refresh", "1")
     metrics = [start_peer(processes, f"peer{i}", config, maddr) for i in range(2)]
     served = processes.start("status-serve", "status", "--initial-peers", maddr, "--serve", "--port", "0",
@@ -164,16 +182,26 @@ def test_status_as_a_table_as_json_and_as_a_page_in_a_browser(processes, tmp_pat
     assert code == 0, err
     (run,) = json.loads(out)["runs"]
     by_peer = {peer["peer_id"]: peer for peer in run["peers"]}
-    assert set(by_peer) - peers == {next(p for p, r in by_peer.items() if r["phase"] == "keeping")}
+    (keeper,) = set(by_peer) - peers  # the bootstrap node's keeper; "loading" while it downloads a step
+    assert by_peer[keeper]["phase"] in ("keeping", "loading"), by_peer[keeper]
     for path in metrics:
         peer = by_peer[peer_id_of(path)]
         # published after the metrics record of the same step: never ahead of it
         assert 2 <= peer["outer_step"] <= last_step(path) and peer["rounds"] >= 1 and peer["samples"] > 0
         assert peer["answers"] is True and peer["reachability"] == "direct" and peer["version"] == __version__
         assert peer["phase"] in ("training", "syncing") and peer["inner_steps"] >= 20 and peer["device"] == "cpu"
+        # its held-out loss of θ_global: measured after each outer step, written to its metrics first
+        evaluations = events(path, "eval")
+        steps = [e["outer_step"] for e in evaluations]
+        assert steps == list(range(steps[0], steps[0] + len(steps))) and steps[0] <= 2, steps
+        assert set(steps) <= {r["outer_step"] for r in events(path, "outer_step")}
+        assert all(e["sequences"] == 4 and 0 < e["eval_loss"] < 10 for e in evaluations), evaluations
+        assert peer["eval_step"] in steps
+        assert peer["eval_loss"] == evaluations[steps.index(peer["eval_step"])]["eval_loss"]
     code, out, err = finished(table)  # every run the swarm announces, as a table
     assert code == 0, err
     assert "run test: 3 live peer(s)" in out and all(p[-8:] in out for p in by_peer)
+    assert "held-out" in out.splitlines()[1] and re.search(r" \d+\.\d{3}@\d+ ", out), out  # loss@outer step
 
     # the page, in a browser: the peers, the plots (the keeper's held-out loss among them)
     chromium.get(logged(processes, "bootstrap", PAGE_AT))

@@ -45,6 +45,7 @@ def test_a_status_record_is_read_with_its_author():
     {"outer_step": "3"}, {"outer_step": -1}, {"loss": float("nan")}, {"samples_per_s": -1.0}, {"phase": "bogus"},
     {"device": "x" * 65}, {"data_shard": 2**21}, {"fingerprint": "not hex"}, {"extra": 1},
     {"settings": {f"s.k{i}": i for i in range(200)}}, {"settings": {"Bad Name": 1}}, {"settings": {"a.b": [1, 2]}},
+    {"eval_loss": -0.5}, {"eval_loss": float("inf")}, {"eval_loss": "2.5"}, {"eval_step": -1},
 ])
 def test_a_malformed_status_record_is_skipped(change):
     assert parse_status(Identity.load_or_create(None).record_subkey, status_value(**change)) is None
@@ -124,12 +125,24 @@ def test_the_status_table_shows_each_peer_and_other_settings():
     assert "A1234567" in table and "(other)" in table and "NAT" in table
 
 
+def column_of(rows: list[dict], name: str) -> dict[str, str]:
+    """The cells of the status table's column `name`, by the peer's short ID."""
+    header, *lines = format_run("test", rows).splitlines()[1:]
+    column = header.index(name)
+    return {line.split()[0]: line[column:].split()[0] for line in lines}
+
+
 def test_the_status_table_shows_the_ranks_of_an_island_peer():
     rows = run_rows({"QmIsland1234567": peer("QmIsland1234567", ranks=8), "QmSingle7654321": peer("QmSingle7654321")},
                     answering=set())
-    header, *lines = format_run("test", rows).splitlines()[1:]
-    column = header.index("ranks")
-    assert {line.split()[0]: line[column:].split()[0] for line in lines} == {"d1234567": "8", "e7654321": "1"}
+    assert column_of(rows, "ranks") == {"d1234567": "8", "e7654321": "1"}
+
+
+def test_the_status_table_shows_each_peers_latest_held_out_loss_and_its_step():
+    rows = run_rows({"QmEvaluated1234": peer("QmEvaluated1234", eval_loss=2.3456, eval_step=10),
+                     "QmNotYet7654321": peer("QmNotYet7654321")}, answering=set())
+    assert column_of(rows, "held-out") == {"ated1234": "2.346@10", "t7654321": "-"}
+    assert {r["peer_id"]: r["eval_step"] for r in rows} == {"QmEvaluated1234": 10, "QmNotYet7654321": None}  # JSON
 
 
 class FakeDHT:
@@ -165,8 +178,9 @@ def test_a_non_finite_loss_is_published_as_none_and_never_raises(caplog):
         last = dht.stored[-1]
         assert last["loss"] is None and last["samples_per_s"] == 0.0 and last["inner_steps"] == 5
         StatusValue.parse_obj(last)  # what other nodes accept
-        publisher.publish(loss=2.5)
-        assert dht.stored[-1]["loss"] == 2.5
+        publisher.publish(loss=2.5, eval_loss=float("nan"), eval_step=4)  # a held-out loss that diverged too
+        assert dht.stored[-1]["loss"] == 2.5 and dht.stored[-1]["eval_loss"] is None
+        StatusValue.parse_obj(dht.stored[-1])
         # a value the schema refuses (a bug) is logged once and not stored; the training loop goes on
         stored = len(dht.stored)
         publisher.publish(phase="bogus")
@@ -220,4 +234,5 @@ def test_a_status_record_as_a_peer_publishes_it_passes_every_nodes_schema_check(
 
     assert validator.validate(record(value))
     assert validator.validate(record(dict(value, stored_step=3, phase="keeping")))
+    assert validator.validate(record(dict(value, eval_loss=4.0833, eval_step=9)))  # its latest held-out loss
     assert not validator.validate(record({k: v for k, v in value.items() if k != "stored_step"}))

@@ -121,16 +121,24 @@ class RunHistory:
         )
         for name, value in point.items():
             self.series[name].record(step, value)
-        evaluated = [(r["eval_step"], r["eval_loss"]) for r in keepers if r.get("eval_loss") is not None]
-        if evaluated:  # the newest evaluation; several keepers of that step: their median
-            eval_step = max(s for s, _ in evaluated)
-            self.series["eval_loss"].record(eval_step, _median([loss for s, loss in evaluated if s == eval_step]))
+        self._observe_evaluations(ours)
         self.summary = dict(
             run=self.run, time=now, fingerprint=fingerprint, outer_step=step, live_peers=len(trainers),
             keepers=len(keepers), other_settings=len(rows) - len(ours),
             tokens_trained=self.tokens.samples * tokens_per_sample, tokens_per_s=tokens_per_s,
             loss=point["loss"], eval_loss=(self.series["eval_loss"].values or [None])[-1],
         )
+
+    def _observe_evaluations(self, rows: list[dict]) -> None:
+        """The held-out loss of θ_global that the peers and keepers of the run's settings last measured
+        (p2p_diloco.train.heldout): at the (lower) median of the outer steps they claim to have measured at,
+        the median of the losses claimed at that step. Peers of one schedule (``eval.every``) measure at the
+        same steps; a stranger's step far ahead moves the median by one place, and its loss is one of many."""
+        evaluated = [(r["eval_step"], r["eval_loss"]) for r in rows
+                     if r.get("eval_loss") is not None and r.get("eval_step") is not None]
+        if evaluated:
+            step = sorted(s for s, _ in evaluated)[(len(evaluated) - 1) // 2]
+            self.series["eval_loss"].record(step, _median([loss for s, loss in evaluated if s == step]))
 
     def as_dict(self) -> dict[str, Any]:
         return dict(summary=self.summary, history={name: s.as_dict() for name, s in self.series.items()})

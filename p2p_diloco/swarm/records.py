@@ -101,7 +101,8 @@ class StatusValue(StrictModel):
     sync_bytes: Count = 0  # the all-reduce's payload it sent and received in that outer step
     utilization: Optional[Fraction] = None  # inner-step time / wall time over that outer step
     rounds_not_applied: Count = 0  # in a row: from EXCLUDED_AFTER_ROUNDS on, it is excluded (swarm/status.py)
-    eval_loss: Optional[FiniteFloat] = None  # a keeper's held-out loss of θ_global ...
+    # its latest held-out loss of θ_global (p2p_diloco.train.heldout; a cross-entropy: >= 0) ...
+    eval_loss: Optional[NonNegative] = None
     eval_step: Optional[OuterStep] = None  # ... at this outer step
 
     @pydantic.validator("settings")

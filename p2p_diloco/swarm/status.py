@@ -1,7 +1,8 @@
 """What each peer tells the world about itself, for people (``p2p-diloco status``) and for joiners.
 
 Besides its progress record (which peers act on), every peer keeps a *status record* under
-``<run>_status``: its outer step and phase, inner steps, samples per second, last loss, whether
+``<run>_status``: its outer step and phase, inner steps, samples per second, last loss, its latest
+held-out loss of θ_global and the outer step it measured it at (:mod:`p2p_diloco.train.heldout`), whether
 others can dial it, its version, device and uptime, the data shard it reads, and the run settings it
 trains with (:func:`p2p_diloco.config.shared_settings`) with their fingerprint. Like every run
 record it sits under the peer's owner subkey and carries its signature
@@ -135,10 +136,10 @@ class StatusPublisher:
 
     :meth:`update` changes fields that move all the time (inner steps, throughput, loss): they are
     stored at the next refresh, every ``REFRESH_S`` seconds; it never waits for the DHT. :meth:`publish`
-    stores at once, for a new phase or outer step. A loss or throughput that is not a finite number
-    (a diverging run) is published as none. Neither raises into the training loop: the fields that
-    never change are checked against the schema at start-up, and a published value that fails it
-    is logged once and not stored.
+    stores at once, for a new phase or outer step. A loss (inner or held-out) or throughput that is not a
+    finite number (a diverging run) is published as none. Neither raises into the training loop: the
+    fields that never change are checked against the schema at start-up, and a published value that
+    fails it is logged once and not stored.
     """
 
     REFRESH_S = 10.0
@@ -158,8 +159,9 @@ class StatusPublisher:
     def _value(self, **fields: Any) -> dict[str, Any]:
         """The record with `fields` changed; a loss or throughput that is not finite becomes None or 0."""
         value = dict(self._fields, **fields, uptime_s=time.monotonic() - self.started, time=time.time())
-        if not _finite(value["loss"]):
-            value["loss"] = None
+        for loss in ("loss", "eval_loss"):
+            if not _finite(value[loss]):
+                value[loss] = None
         if not _finite(value["samples_per_s"]):
             value["samples_per_s"] = 0.0
         return value

@@ -70,7 +70,7 @@ from p2p_diloco.train.inner import InnerTrainer
 from p2p_diloco.train.island import IslandLead, SoloIsland
 from p2p_diloco.train.local_work import LocalWork
 from p2p_diloco.train.match_ahead import MatchLead
-from p2p_diloco.train.model import evaluate_loss
+from p2p_diloco.train.heldout import HeldoutEval
 from p2p_diloco.train.outer import GlobalModel
 from p2p_diloco.train.peer_view import PeerView
 from p2p_diloco.train.round_sync import ROUND_STOPPED, RoundSync, SyncOutcome
@@ -134,7 +134,8 @@ class DiLoCoPeer:
     whose fingerprint decides which peers it averages with. `display` shows the inner steps' progress
     (:class:`p2p_diloco.train.display.InnerProgress`), if given. `micro_batch_size` is the one chosen for
     its memory (:func:`p2p_diloco.train.memory.choose_micro_batch`; default: ``compute.micro_batch_size``,
-    else the whole batch).
+    else the whole batch). It evaluates θ_global on the `heldout` sequences every ``eval.every`` outer steps
+    (:mod:`p2p_diloco.train.heldout`).
     """
 
     def __init__(
@@ -157,7 +158,6 @@ class DiLoCoPeer:
         # the run's keeper (:meth:`keep`) follows the run's state and serves it, and never trains
         self.keeper = keeper
         self.idle_phase = KEEPING if keeper else TRAINING
-        self.heldout = heldout  # [n, seq_len]: a keeper evaluates θ_global on them after each state it loads
         self.model = model
         # a peer of several ranks (train/island.py) is rank 0 of its island; a single process, an island of one
         self.island = island or SoloIsland(model)
@@ -218,6 +218,19 @@ class DiLoCoPeer:
         self._step_samples = 0  # samples of the last inner step (every batch is whole: each step counts as many)
         self.round_sync = RoundSync(self.progress, self.sync, self.peer_id, node.reachability.mode,
                                     cfg.swarm.round_wait_timeout, self.stop_event, cfg.swarm.round_attempts)
+        self.heldout = self._heldout_eval(heldout)
+
+    def _heldout_eval(self, heldout: Optional[torch.Tensor]) -> Optional[HeldoutEval]:
+        """θ_global's held-out evaluation on `heldout` [n, seq_len] every ``eval.every`` outer steps, on the
+        model's device in its micro-batches; none without sequences, or on a sharded island, whose rank 0
+        holds only a shard of the model on its device."""
+        if heldout is None or not len(heldout) or not self.cfg.eval.every:
+            return None
+        if self.island.island is not None and self.island.island.shard:
+            logger.info("not evaluating θ_global on held-out text (eval.every): the model is sharded over this "
+                        "island's ranks")
+            return None
+        return HeldoutEval(heldout, self.cfg.eval.every, self.inner.micro_batch_size)
 
     def _ask_for_assistance(self, node: RunNode, fingerprint: str) -> RecordPublisher:
         """An unreachable peer asks reachable nodes to reduce for its run (see p2p_diloco.sync.assistant)."""
@@ -308,10 +321,17 @@ class DiLoCoPeer:
             self._leave()
 
     def _evaluate_global(self) -> None:
-        """A keeper's held-out loss of θ_global (its model holds θ_global: it never trains), in its status
-        record for the run's page; nothing when it has no held-out sequences."""
-        if self.heldout is not None and len(self.heldout):
-            self.view.evaluated(self.global_model.outer_step, evaluate_loss(self.model, self.heldout))
+        """θ_global's held-out loss when it is due (p2p_diloco.train.heldout): an ``eval`` metrics record, and
+        the status record's latest, for `status` and the run's page."""
+        evaluation = None if self.heldout is None else self.heldout.maybe(
+            self.global_model.outer_step, self.model, self.local_params, self.global_model.params)
+        if evaluation is None:
+            return
+        self.metrics.write("eval", outer_step=evaluation.outer_step, eval_loss=evaluation.loss,
+                           sequences=evaluation.sequences, seconds=evaluation.seconds)
+        self.view.evaluated(evaluation.outer_step, evaluation.loss)  # after the record: never ahead of it
+        logger.info("outer step %d: held-out loss of θ_global %.4f (%d sequences, %.2f s)", evaluation.outer_step,
+                    evaluation.loss, evaluation.sequences, evaluation.seconds)
 
     def _join(self) -> None:
         self.restored = self._restore_checkpoint()
@@ -559,6 +579,7 @@ class DiLoCoPeer:
         if self.store_writer is not None:
             self.store_writer.after_step(step, self.sha256, self.inner.steps_done, self._state_snapshot)
         self._push_to_keeper(first_only=True)
+        self._evaluate_global()
 
     # ----- catching up ----------------------------------------------------------------------------
     def _trusted_plan(self, plan: RoundPlan, records: dict[str, PeerProgress]) -> Optional[RoundPlan]:

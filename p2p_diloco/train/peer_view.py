@@ -57,7 +57,7 @@ class PeerView:
         self.status.update(rounds_not_applied=rounds_in_a_row)
 
     def evaluated(self, outer_step: int, loss: float | None) -> None:
-        """The held-out loss of θ_global at `outer_step` (a keeper's; see DiLoCoPeer.keep)."""
+        """The held-out loss of θ_global at `outer_step` (p2p_diloco.train.heldout), stored at once."""
         self.status.publish(eval_step=outer_step, eval_loss=loss)
 
     def syncing(self) -> None:
