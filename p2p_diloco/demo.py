@@ -146,7 +146,7 @@ def evaluate(config_path: Path, checkpoint_dirs: list[Path]) -> tuple[float, Opt
     from p2p_diloco.train.model import build_run_model, evaluate_loss
 
     cfg = load_config(config_path)
-    data = TextData(cfg.data)
+    data = TextData(cfg.data, cfg.model.revision)
     model = build_run_model(cfg, data.tokenizer)  # as the peers built it
     initial = evaluate_loss(model, data.heldout)
     checkpoints = [c for c in (load_checkpoint(d) for d in checkpoint_dirs) if c is not None]

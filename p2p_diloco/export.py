@@ -76,15 +76,15 @@ def model_from_run_config(config_path: str | os.PathLike) -> ModelSource:
     Raises ConfigError or DataError (one line each) when the config is invalid or its tokenizer
     cannot be loaded.
     """
-    from p2p_diloco.config import load_config, run_fingerprint
-    from p2p_diloco.train.data import load_tokenizer, tokenizer_sha256
-    from p2p_diloco.train.model import build_run_model
+    from p2p_diloco.config import load_config, settings_fingerprint
+    from p2p_diloco.train.data import load_tokenizer
+    from p2p_diloco.train.model import build_run_model, run_settings
 
     cfg = load_config(config_path)
-    tokenizer = load_tokenizer(cfg.data)
+    tokenizer = load_tokenizer(cfg.data, cfg.model.revision)
     model = build_run_model(cfg, tokenizer).float()  # θ_global is fp32, whatever dtype a hub config names
     return ModelSource(model, tokenizer, cfg.run.name, f"run config {str(config_path)!r}",
-                       run_fingerprint(cfg, tokenizer_sha256(tokenizer)))
+                       settings_fingerprint(run_settings(cfg, tokenizer, model)))
 
 
 def check_same_settings(state: dict, source: ModelSource) -> None:

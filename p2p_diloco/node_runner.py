@@ -233,19 +233,20 @@ def _prepare_training(cfg, peer_id: str, device, shards: int = 1):
 
     Raises DataError or ConfigError (one line for the user) before the peer joins the swarm.
     """
-    from p2p_diloco.config import shared_settings
-    from p2p_diloco.train.data import TextData, order_seed, tokenizer_sha256
+    from p2p_diloco.train.data import TextData, order_seed
     from p2p_diloco.train.fragments import model_fragments
-    from p2p_diloco.train.model import build_run_model
+    from p2p_diloco.train.model import build_run_model, run_settings
 
-    data = TextData(cfg.data)
-    model = build_run_model(cfg, data.tokenizer).to(device)
+    data = TextData(cfg.data, cfg.model.revision)
+    model = build_run_model(cfg, data.tokenizer)
+    settings = run_settings(cfg, data.tokenizer, model)  # of the weights as built: θ_global at step 0
+    model = model.to(device)
     model_fragments(model, cfg.outer)  # a hub model with fewer blocks than outer.fragments stops here
     micro_batch_size = _prepare_compute(model, cfg, device, shards)
     peer_data = data.for_peer(cfg.inner.batch_size, order_seed(cfg.run.seed, peer_id))
     if data.train is not None:  # in memory: a corpus too small for one batch is found now, before joining
         peer_data.open(0, None)
-    return model, shared_settings(cfg, tokenizer_sha256(data.tokenizer)), peer_data, micro_batch_size, data.heldout
+    return model, settings, peer_data, micro_batch_size, data.heldout
 
 
 def _save_export_assets(cfg, model_config, tokenizer, fingerprint: str) -> None:

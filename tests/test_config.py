@@ -30,6 +30,12 @@ from tests.conftest import REPO
         ({"data": {"seq_len": 1024}}, "data.seq_len = 1024 exceeds model.max_position_embeddings = 512"),
         ({"data": {"shards": 0}}, "data.shards = 0 is invalid: must be an integer >= 1"),
         ({"data": {"tokenizer_documents": 0}}, "data.tokenizer_documents = 0 is invalid: must be an integer >= 1"),
+        ({"model": {"revision": "v1"}}, "model.revision = 'v1' needs model.pretrained"),
+        ({"model": {"pretrained": "org/lm", "name": "gpt2"}, "data": {"tokenizer": "org/lm"}},
+         "model.name = 'gpt2' conflicts with model.pretrained = 'org/lm': the pretrained model's own config is"),
+        ({"model": {"pretrained": "org/lm"}}, "data.tokenizer = 'local-bpe' is invalid with model.pretrained = "
+                                               "'org/lm': the model reads the token ids of its own tokenizer; set "
+                                               "data.tokenizer = 'org/lm'"),
     ],
 )
 def test_bad_values_name_key_value_and_rule(raw, message):

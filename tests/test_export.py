@@ -1,7 +1,8 @@
 """`p2p-diloco export`: θ_global of a real peer's checkpoint as a transformers model folder.
 
-One lone peer (a real `p2p-diloco peer` process on 127.0.0.1, no other peer) takes an outer step
-with a checkpoint directory; then
+One lone peer (a real `p2p-diloco peer` process on 127.0.0.1, no other peer), started from a pretrained
+model folder (`model.pretrained`), takes an outer step with a checkpoint directory; its θ_global at step 0
+is that folder's weights (tests/test_pretrained.py checks the rest of a pretrained start in-process); then
 
 * `export` writes a folder that `AutoModelForCausalLM.from_pretrained` and
   `AutoTokenizer.from_pretrained` load, whose logits are θ_global's and whose tokenizer gives the
@@ -25,16 +26,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from p2p_diloco.config import load_config, run_fingerprint
+from p2p_diloco.config import load_config, settings_fingerprint
 from p2p_diloco.export import EXPORT_RECORD, run_export
 from p2p_diloco.hashing import tensors_sha256
+from p2p_diloco.metrics import read_metrics
 from p2p_diloco.node_runner import EXIT_USAGE
 from p2p_diloco.train.checkpoint import (EXPORT_RUN_FILE, checkpoint_path, export_assets_path, load_checkpoint,
                                          save_checkpoint, save_export_assets)
-from p2p_diloco.train.data import TextData, tokenizer_sha256
-from p2p_diloco.train.model import build_model, trainable_parameters
+from p2p_diloco.train.data import TextData
+from p2p_diloco.train.model import build_model, build_run_model, run_settings, trainable_parameters
 from tests.conftest import REPO, Processes
-from tests.swarm_helpers import tiny_config_file
+from tests.swarm_helpers import pretrained_sections, save_pretrained_folder, tiny_config_file
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -43,19 +45,26 @@ TEXTS = ["def export(model): return model.save_pretrained(folder)", "Help on bui
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A run config and the checkpoint directory of a lone peer that took one outer step with it."""
+    """A run config that starts from a pretrained folder, and the checkpoint directory of a lone peer that
+    took one outer step with it; the peer's θ_global at step 0 was the folder's weights."""
     folder = tmp_path_factory.mktemp("trained")
-    config = tiny_config_file(folder)
-    checkpoint_dir = folder / "checkpoint"
+    pretrained = save_pretrained_folder(folder / "pretrained", seed=7)
+    config = tiny_config_file(folder, **pretrained_sections(pretrained))
+    checkpoint_dir, metrics = folder / "checkpoint", folder / "peer.jsonl"
     processes = Processes(folder)
     # the module's processes share the session's tokenizer cache (conftest's isolated_cache)
     env = {"P2P_DILOCO_CACHE": str(tmp_path_factory.getbasetemp() / "cache"), "OMP_NUM_THREADS": "1"}
     try:
         peer = processes.start("peer", "peer", "--config", str(config), "--checkpoint-dir", str(checkpoint_dir),
-                               "--max-outer-steps", "1", "--host", "127.0.0.1", env=env)
+                               "--max-outer-steps", "1", "--host", "127.0.0.1", "--metrics-file", str(metrics),
+                               env=env)
         assert peer.wait(240) == 0, processes.log("peer")
     finally:
         processes.stop_all()
+    saved = trainable_parameters(AutoModelForCausalLM.from_pretrained(pretrained))
+    join = next(r for r in read_metrics(metrics) if r["event"] == "join")
+    assert join["outer_step"] == 0  # θ_global, then the outer momentum (zero)
+    assert join["global_sha256"] == tensors_sha256([*saved, *(torch.zeros_like(p) for p in saved)])
     return config, checkpoint_dir
 
 
@@ -173,7 +182,9 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused(trained, tmp_path, 
 def test_a_config_of_other_settings_than_the_checkpoints_is_refused(trained, tmp_path, capsys):
     config, checkpoint_dir = trained
     cfg = load_config(config)
-    fingerprint = run_fingerprint(cfg, tokenizer_sha256(TextData(cfg.data).tokenizer))
+    tokenizer = TextData(cfg.data).tokenizer
+    fingerprint = settings_fingerprint(run_settings(cfg, tokenizer, build_run_model(cfg, tokenizer)))
+    capsys.readouterr()  # transformers' loading progress bar
     assert load_checkpoint(checkpoint_dir)["fingerprint"] == fingerprint
     saved = json.loads((export_assets_path(checkpoint_dir) / EXPORT_RUN_FILE).read_text())
     assert saved == {"run_name": "test", "fingerprint": fingerprint}
