@@ -128,6 +128,10 @@ def _training_options(fn):
         click.option("--tensorboard", default=None, type=click.Path(file_okay=False), metavar="DIR",
                      help="Also log the metrics' numbers as TensorBoard scalars in DIR "
                           "(needs: pip install 'p2p-diloco[tensorboard]')."),
+        click.option("--wandb", default=None, metavar="PROJECT",
+                     help="Also log the metrics' numbers to this Weights & Biases project, one wandb run per peer, "
+                          "grouped by run.name (needs: pip install 'p2p-diloco[wandb]', and `wandb login`; "
+                          "WANDB_MODE=offline logs to local files)."),
         # [compute]: each overrides the config's value when given
         click.option("--precision", default=None, type=click.Choice(["auto", "bf16", "fp32"]),
                      help="bf16 autocast or fp32 (overrides compute.precision; auto: bf16 on a GPU that supports it)."),

@@ -277,6 +277,7 @@ class PeerOptions:
     wait_for_peers: int = 1
     ignore_other_settings: bool = False  # train even if the run's live peers publish other settings
     tensorboard: Optional[str] = None
+    wandb: Optional[str] = None  # a Weights & Biases project
     # override the config's [compute] values of the same names when given
     precision: Optional[str] = None
     compile: Optional[bool] = None
@@ -391,11 +392,12 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
     from p2p_diloco.train.island import IslandBroken, IslandLead
     from p2p_diloco.train.memory import MemoryFitError
 
-    metrics, lead = None, None  # metrics: closed on every path from here on (a TensorBoard writer runs a thread)
+    metrics, lead = None, None  # metrics: closed on every path from here on (TensorBoard: a thread; wandb: a process)
     try:
         identity = Identity.load_or_create(options.identity_path)
         check_member(cfg, identity.peer_id)  # a private run that does not list it would refuse all it does
-        metrics = MetricsWriter(options.metrics_file, identity.peer_id, tensorboard_dir=options.tensorboard)
+        metrics = MetricsWriter(options.metrics_file, identity.peer_id, tensorboard_dir=options.tensorboard,
+                                wandb_project=options.wandb, wandb_group=cfg.run.name)
         if island is not None:
             island.send("hello", identity.peer_id)  # the other ranks read the data in this peer's order
         model, settings, peer_data, micro_batch_size, _ = _prepare_training(cfg, identity.peer_id, device,
@@ -449,8 +451,8 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
             error = (str(e), EXIT_ISLAND_BROKEN)
     finally:
         _stop_island(island, error[0] if error else "the peer stopped")
+        metrics.close()  # before shutdown_dht stops this process's children: wandb's service is one
         shutdown_dht(dht)
-        metrics.close()
     logger.info("peer stopped")
     skip_final_garbage_collection()
     return fail(*error) if error else EXIT_OK  # the error is the last line the user sees

@@ -37,6 +37,7 @@ from p2p_diloco.train.data import TextData
 from p2p_diloco.train.model import build_model, build_run_model, run_settings, trainable_parameters
 from tests.conftest import REPO, Processes
 from tests.swarm_helpers import pretrained_sections, save_pretrained_folder, tiny_config_file
+from tests.wandb_files import offline_wandb, wandb_history, wandb_runs
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -53,11 +54,12 @@ def trained(tmp_path_factory):
     checkpoint_dir, metrics = folder / "checkpoint", folder / "peer.jsonl"
     processes = Processes(folder)
     # the module's processes share the session's tokenizer cache (conftest's isolated_cache)
-    env = {"P2P_DILOCO_CACHE": str(tmp_path_factory.getbasetemp() / "cache"), "OMP_NUM_THREADS": "1"}
+    env = {"P2P_DILOCO_CACHE": str(tmp_path_factory.getbasetemp() / "cache"), "OMP_NUM_THREADS": "1",
+           **offline_wandb(folder / "wandb-files")}
     try:
         peer = processes.start("peer", "peer", "--config", str(config), "--checkpoint-dir", str(checkpoint_dir),
                                "--max-outer-steps", "1", "--host", "127.0.0.1", "--metrics-file", str(metrics),
-                               env=env)
+                               "--wandb", "p2p-diloco-test", env=env)
         assert peer.wait(240) == 0, processes.log("peer")
     finally:
         processes.stop_all()
@@ -66,6 +68,17 @@ def trained(tmp_path_factory):
     assert join["outer_step"] == 0  # θ_global, then the outer momentum (zero)
     assert join["global_sha256"] == tensors_sha256([*saved, *(torch.zeros_like(p) for p in saved)])
     return config, checkpoint_dir
+
+
+def test_the_peer_logged_its_metrics_to_wandb(trained):
+    """`--wandb PROJECT` (here offline) logs a run of the peer, grouped by run.name, with its metrics' numbers."""
+    folder = trained[0].parent
+    (run_dir,) = (folder / "wandb-files" / "wandb").glob("offline-run-*")
+    (step,) = [r for r in read_metrics(folder / "peer.jsonl") if r["event"] == "outer_step"]
+    logged = [row for row in wandb_history(run_dir) if "outer_step/loss" in row]
+    assert [(row["step"], row["outer_step/loss"], row["outer_step/group_size"]) for row in logged] == [
+        (1, step["loss"], 1)]
+    assert wandb_runs(run_dir) == [("p2p-diloco-test", "test")]
 
 
 def export_cli(*args: str) -> subprocess.CompletedProcess:
