@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,9 +82,9 @@ def test_the_peer_logged_its_metrics_to_wandb(trained):
     assert wandb_runs(run_dir) == [("p2p-diloco-test", "test")]
 
 
-def export_cli(*args: str) -> subprocess.CompletedProcess:
+def export_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "export", *args], capture_output=True, text=True,
-                          timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=240, env={**(os.environ if env is None else env), "PYTHONPATH": str(REPO)})
 
 
 def model_holding_theta_global(config, checkpoint_dir):
@@ -221,3 +222,81 @@ def test_saving_the_model_files_removes_what_a_crashed_peer_left(trained, tmp_pa
     save_export_assets(copy, AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder), "test", None)
     assert not list(copy.glob(".model.*"))
     assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+
+
+@pytest.fixture
+def recorded_hub(monkeypatch):
+    """huggingface_hub's HfApi.create_repo and upload_folder replaced by recorders (no hub is reachable here),
+    with a token in HF_TOKEN; `fail` makes upload_folder answer as a hub that refuses it would."""
+    import httpx
+    from huggingface_hub import HfApi, RepoUrl
+    from huggingface_hub.errors import HfHubHTTPError
+
+    calls = {"fail": False}
+
+    def create_repo(self, repo_id, **options):
+        calls["create_repo"] = dict(token=self.token, repo_id=repo_id, **options)
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(self, **options):
+        if calls["fail"]:
+            response = httpx.Response(403, request=httpx.Request("POST", "https://huggingface.co/api/models/x"))
+            raise HfHubHTTPError("403 Forbidden: you do not have write access to me/tiny-model\nmore detail",
+                                 response=response)
+        files = sorted(path.name for path in Path(options["folder_path"]).iterdir())
+        calls["upload_folder"] = dict(token=self.token, files=files, **options)
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.setenv("HF_TOKEN", "hf_recorded")
+    return calls
+
+
+def test_push_to_hub_creates_the_repo_and_uploads_the_exported_folder(trained, tmp_path, recorded_hub):
+    from click.testing import CliRunner
+
+    from p2p_diloco.cli import main
+
+    _, checkpoint_dir = trained
+    out = tmp_path / "model"
+    result = CliRunner().invoke(main, ["export", "--checkpoint-dir", str(checkpoint_dir), "--out", str(out),
+                                       "--push-to-hub", "me/tiny-model", "--private"])
+    assert result.exit_code == 0, result.output
+    assert "pushed to https://huggingface.co/me/tiny-model" in result.stdout
+    assert recorded_hub["create_repo"] == dict(token="hf_recorded", repo_id="me/tiny-model", repo_type="model",
+                                               private=True, exist_ok=True)
+    upload = recorded_hub["upload_folder"]
+    assert upload["token"] == "hf_recorded" and upload["repo_id"] == "me/tiny-model"
+    assert upload["folder_path"] == str(out) and upload["repo_type"] == "model"
+    assert {"config.json", "model.safetensors", "tokenizer.json", EXPORT_RECORD} <= set(upload["files"])
+    assert sorted(path.name for path in out.iterdir()) == upload["files"]
+    assert upload["commit_message"].startswith("p2p-diloco export of θ_global (run 'test', outer step 1, global ")
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--push-to-hub", "me/a b"), "--push-to-hub 'me/a b' is not a hub repository id (NAME or ORG/NAME): "),
+    (("--private",), "--private applies to the repo --push-to-hub creates; pass --push-to-hub REPO too"),
+    (("--push-to-hub", "me/tiny-model"), "--push-to-hub me/tiny-model: the upload failed: 403 Forbidden: you do "
+                                         "not have write access to me/tiny-model (the model is exported in "),
+], ids=["repo-id", "private-alone", "refused"])
+def test_a_push_to_hub_that_cannot_be_done_is_a_one_line_error(trained, tmp_path, capsys, recorded_hub, args,
+                                                                message):
+    _, checkpoint_dir = trained
+    recorded_hub["fail"] = True
+    push_to_hub = args[1] if args[0] == "--push-to-hub" else None
+    code = run_export(str(checkpoint_dir), str(tmp_path / "out"), None, False, push_to_hub, "--private" in args)
+    assert code == EXIT_USAGE
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' progress bar, if it exported
+    assert last.startswith("error: ") and message in last
+
+
+def test_push_to_hub_without_a_token_stops_before_exporting(trained, tmp_path):
+    _, checkpoint_dir = trained
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")}
+    env["HF_HOME"] = str(tmp_path / "hf-home")  # no token file that `hf auth login` would have written
+    result = export_cli("--checkpoint-dir", str(checkpoint_dir), "--out", str(tmp_path / "out"),
+                        "--push-to-hub", "me/tiny-model", env=env)
+    assert result.returncode == EXIT_USAGE
+    assert result.stderr.strip() == ("error: --push-to-hub needs a Hugging Face token with write access: log in "
+                                     "with `hf auth login` or set HF_TOKEN")
+    assert not (tmp_path / "out").exists()
