@@ -132,6 +132,10 @@ def _training_options(fn):
         click.option("--tensorboard", default=None, type=click.Path(file_okay=False), metavar="DIR",
                      help="Also log the metrics' numbers as TensorBoard scalars in DIR "
                           "(needs: pip install 'p2p-diloco[tensorboard]')."),
+        click.option("--wandb", default=None, metavar="PROJECT",
+                     help="Also log the metrics' numbers to this Weights & Biases project, one wandb run per peer, "
+                          "grouped by run.name (needs: pip install 'p2p-diloco[wandb]', and `wandb login`; "
+                          "WANDB_MODE=offline logs to local files)."),
         # [compute]: each overrides the config's value when given
         click.option("--precision", default=None, type=click.Choice(["auto", "bf16", "fp32"]),
                      help="bf16 autocast or fp32 (overrides compute.precision; auto: bf16 on a GPU that supports it)."),
@@ -311,23 +315,30 @@ def demo(num_peers, outer_steps, config_path, out_dir, timeout_s):
                    "checkpoint trained with other settings is refused.")
 @click.option("--force", is_flag=True, help="Write into --out even if it is not empty (files of the same names "
                                             "are replaced).")
-def export(checkpoint_dir, out_dir, config_path, force):
+@click.option("--push-to-hub", "push_to_hub", default=None, metavar="REPO",
+              help="Then upload the folder to this Hugging Face model repo (NAME or ORG/NAME; created if missing) "
+                   "with the token of `hf auth login` or HF_TOKEN.")
+@click.option("--private", is_flag=True, help="With --push-to-hub: create the repo private (an existing repo keeps "
+                                              "its visibility).")
+def export(checkpoint_dir, out_dir, config_path, force, push_to_hub, private):
     """Write the global model θ_global of a peer's checkpoint as a transformers model folder.
 
     The folder holds the model (save_pretrained: config.json, model.safetensors), the run's tokenizer
     and p2p_diloco_export.json (run name, outer step and sha256 of the global state it came from).
     Load it with AutoModelForCausalLM.from_pretrained(FOLDER) and AutoTokenizer.from_pretrained(FOLDER).
     The model's config and tokenizer come from the model/ folder a peer writes beside its checkpoint at
-    start-up, or from --config. Works while the peer runs: checkpoints are replaced whole.
+    start-up, or from --config. Works while the peer runs: checkpoints are replaced whole. With
+    --push-to-hub REPO the folder is then uploaded to that Hugging Face model repo.
 
     \b
     Examples:
       p2p-diloco export --checkpoint-dir ~/.local/share/p2p-diloco/demo/checkpoint --out demo-model
       p2p-diloco export --checkpoint-dir demo-out/peer-0 --out demo-model
+      p2p-diloco export --checkpoint-dir demo-out/peer-0 --out demo-model --push-to-hub my-org/demo-model
     """
     from p2p_diloco.export import run_export
 
-    sys.exit(run_export(checkpoint_dir, out_dir, config_path, force))
+    sys.exit(run_export(checkpoint_dir, out_dir, config_path, force, push_to_hub, private))
 
 
 if __name__ == "__main__":

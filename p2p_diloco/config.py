@@ -101,7 +101,8 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-architecture causal LM built from these sizes, or any AutoConfig-compatible `name`."""
+    """A Llama-architecture causal LM built from these sizes, or any AutoConfig-compatible `name`, both
+    initialised from scratch; or the weights of a pretrained model (`pretrained`)."""
 
     name: str = text("llama", r"\S+", "'llama' (built from the sizes below) or a hub model name")
     hidden_size: int = int_at_least(64, 8)
@@ -109,6 +110,23 @@ class ModelConfig:
     num_heads: int = int_at_least(4, 1)
     intermediate_size: int = int_at_least(256, 8)
     max_position_embeddings: int = int_at_least(512, 8)
+    # start from these weights, not from scratch (p2p_diloco.train.pretrained): a hub model id ("org/name") or a
+    # local save_pretrained folder. Its config is the architecture (name and sizes above may not contradict it),
+    # its tokenizer must be the run's (data.tokenizer = the same), and the sha256 of its weights, not this
+    # string, is one of the run's shared settings: every peer starts from the same θ_global
+    pretrained: str = text("", allowed="a hub model id or a local model folder ('' : start from scratch)")
+    # the hub revision (branch, tag or commit) of `pretrained` and of its tokenizer; '' : the default branch
+    revision: str = text("", allowed="a branch, tag or commit of model.pretrained on the hub ('' : the default)")
+
+    @property
+    def sized_here(self) -> bool:
+        """Whether the model is a Llama built from this section's sizes (not a hub or pretrained config's)."""
+        return self.name == "llama" and not self.pretrained
+
+    @property
+    def label(self) -> str:
+        """The model's name in messages: the pretrained model's, else `name`."""
+        return self.pretrained or self.name
 
 
 @dataclass(frozen=True)
@@ -332,12 +350,31 @@ def _check_llama_sizes(model: ModelConfig, seq_len: int) -> None:
 def _check_fragments(cfg: Config) -> None:
     """Streaming DiLoCo's schedule: P fragments, one synced every H/P inner steps."""
     outer, steps = cfg.outer, cfg.inner.steps_per_outer
-    if cfg.model.name == "llama" and outer.fragments > cfg.model.num_layers:
+    if cfg.model.sized_here and outer.fragments > cfg.model.num_layers:
         raise ConfigError(f"config: outer.fragments = {outer.fragments} exceeds model.num_layers = "
                           f"{cfg.model.num_layers}: each fragment needs at least one transformer block")
     if steps % outer.fragments != 0:
         raise ConfigError(f"config: inner.steps_per_outer = {steps} must be a multiple of outer.fragments = "
                           f"{outer.fragments} (one fragment syncs every steps_per_outer / fragments inner steps)")
+
+
+def _check_pretrained(cfg: Config) -> None:
+    """What a pretrained model decides (its architecture, its tokenizer) is not also set otherwise; its sizes
+    are checked against its own config once it is read (p2p_diloco.train.pretrained)."""
+    model = cfg.model
+    if not model.pretrained:
+        if model.revision:
+            raise ConfigError(f"config: model.revision = {model.revision!r} needs model.pretrained: a revision is "
+                              f"the version of a pretrained model to start from")
+        return
+    if model.name != "llama":
+        raise ConfigError(f"config: model.name = {model.name!r} conflicts with model.pretrained = "
+                          f"{model.pretrained!r}: the pretrained model's own config is the architecture; remove "
+                          f"model.name")
+    if cfg.data.tokenizer != model.pretrained:
+        raise ConfigError(f"config: data.tokenizer = {cfg.data.tokenizer!r} is invalid with model.pretrained = "
+                          f"{model.pretrained!r}: the model reads the token ids of its own tokenizer; set "
+                          f"data.tokenizer = {model.pretrained!r}")
 
 
 def _check_allowed_peers(run: RunConfig) -> None:
@@ -358,8 +395,9 @@ def check_member(cfg: Config, peer_id: str) -> None:
 def _check_consistency(cfg: Config) -> None:
     """Rules that involve more than one key."""
     _check_allowed_peers(cfg.run)
-    if cfg.model.name == "llama":
+    if cfg.model.sized_here:
         _check_llama_sizes(cfg.model, cfg.data.seq_len)
+    _check_pretrained(cfg)
     if cfg.data.source == "files" and not cfg.data.paths:
         raise ConfigError("config: data.paths = [] is invalid when data.source = 'files': list at least one text file")
     if cfg.data.source == "hub" and not cfg.data.hub_dataset:
@@ -419,9 +457,9 @@ def load_config(path: str | Path) -> Config:
     return cfg
 
 
-def shared_settings(cfg: Config, tokenizer_sha256: str) -> dict[str, Any]:
+def shared_settings(cfg: Config, tokenizer_sha256: str, pretrained_sha256: str | None = None) -> dict[str, Any]:
     """The settings every peer of a run must share, flat (``{"inner.lr": 0.001, ...}``), with the sha256
-    of the tokenizer it trains with.
+    of the tokenizer it trains with and, for a run that starts from a pretrained model, of its weights.
 
     Peers whose settings differ must not average: their parameters mean different things (model,
     tokenizer), or their pseudo-gradients come from different optimisation problems (data, inner and
@@ -433,17 +471,28 @@ def shared_settings(cfg: Config, tokenizer_sha256: str) -> dict[str, Any]:
 
     A private run's allow-list counts as ``run.allowed_peers``, the sha256 of its sorted peer IDs
     (:func:`allowed_peers_sha256`), so that peers with different lists never meet; a public run has no
-    such entry (its fingerprint is the one it had before allow-lists existed).
+    such entry (its fingerprint is the one it had before allow-lists existed). Likewise a pretrained model
+    counts as ``model.pretrained_sha256`` (:func:`p2p_diloco.train.pretrained.weights_sha256`), not by its
+    id or folder (nor its tokenizer's, the same), which differ between peers' machines; the hashes pin a
+    revision too.
     """
+    if bool(cfg.model.pretrained) != bool(pretrained_sha256):
+        raise ValueError("shared_settings: pretrained_sha256 is given exactly when model.pretrained is set")
+    model = dataclasses.asdict(cfg.model)
+    model.pop("pretrained"), model.pop("revision")
+    if pretrained_sha256:
+        model["pretrained_sha256"] = pretrained_sha256
     inner = dataclasses.asdict(cfg.inner)
     inner["samples_per_step"] = inner.pop("batch_size") * inner.pop("grad_accumulation")
     data = dataclasses.asdict(cfg.data)
     data.pop("paths")
+    if pretrained_sha256:
+        data.pop("tokenizer")
     run = dataclasses.asdict(cfg.run)
     allowed_peers = run.pop("allowed_peers")
     if allowed_peers:
         run["allowed_peers"] = allowed_peers_sha256(allowed_peers)
-    sections = dict(run=run, model=dataclasses.asdict(cfg.model), data=data, inner=inner,
+    sections = dict(run=run, model=model, data=data, inner=inner,
                     outer=dataclasses.asdict(cfg.outer))
     flat = {f"{section}.{key}": value for section, values in sections.items() for key, value in values.items()}
     return {**flat, "tokenizer_sha256": tokenizer_sha256}
@@ -459,9 +508,10 @@ def settings_fingerprint(settings: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(dict(settings), sort_keys=True).encode()).hexdigest()
 
 
-def run_fingerprint(cfg: Config, tokenizer_sha256: str) -> str:
-    """The fingerprint of this config's shared settings with this tokenizer (see :func:`shared_settings`)."""
-    return settings_fingerprint(shared_settings(cfg, tokenizer_sha256))
+def run_fingerprint(cfg: Config, tokenizer_sha256: str, pretrained_sha256: str | None = None) -> str:
+    """The fingerprint of this config's shared settings with this tokenizer and pretrained weights (see
+    :func:`shared_settings`)."""
+    return settings_fingerprint(shared_settings(cfg, tokenizer_sha256, pretrained_sha256))
 
 
 def settings_differences(mine: Mapping[str, Any], theirs: Mapping[str, Any], limit: int = 3) -> list[str]:

@@ -189,7 +189,7 @@ def evaluate(config_path: Path, checkpoint_dirs: list[Path], sequences: Optional
     from p2p_diloco.train.model import build_run_model, evaluate_loss
 
     cfg = load_config(config_path)
-    data = TextData(cfg.data)
+    data = TextData(cfg.data, cfg.model.revision)
     heldout = data.heldout[:sequences]
     model = build_run_model(cfg, data.tokenizer)  # as the peers built it
     initial = evaluate_loss(model, heldout)

@@ -77,15 +77,15 @@ def model_from_run_config(config_path: str | os.PathLike) -> ModelSource:
     Raises ConfigError or DataError (one line each) when the config is invalid or its tokenizer
     cannot be loaded.
     """
-    from p2p_diloco.config import load_config, run_fingerprint
-    from p2p_diloco.train.data import load_tokenizer, tokenizer_sha256
-    from p2p_diloco.train.model import build_run_model
+    from p2p_diloco.config import load_config, settings_fingerprint
+    from p2p_diloco.train.data import load_tokenizer
+    from p2p_diloco.train.model import build_run_model, run_settings
 
     cfg = load_config(config_path)
-    tokenizer = load_tokenizer(cfg.data)
+    tokenizer = load_tokenizer(cfg.data, cfg.model.revision)
     model = build_run_model(cfg, tokenizer).float()  # θ_global is fp32, whatever dtype a hub config names
     return ModelSource(model, tokenizer, cfg.run.name, f"run config {str(config_path)!r}",
-                       run_fingerprint(cfg, tokenizer_sha256(tokenizer)))
+                       settings_fingerprint(run_settings(cfg, tokenizer, model)))
 
 
 def check_same_settings(state: dict, source: ModelSource) -> None:
@@ -206,17 +206,33 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
     return record
 
 
-def run_export(checkpoint_dir: str, out: str, config_path: Optional[str], force: bool) -> int:
-    """The `export` command: export, then say what was written; an error is one line and exit status 2."""
+def run_export(checkpoint_dir: str, out: str, config_path: Optional[str], force: bool,
+               push_to_hub: Optional[str] = None, private: bool = False) -> int:
+    """The `export` command: export, then say what was written, and with `push_to_hub` upload it
+    (p2p_diloco.hub_publish; the token is checked first). An error is one line and exit status 2."""
     from p2p_diloco.config import ConfigError
+    from p2p_diloco.hub_publish import check_repo_id, hub_token, push_folder
     from p2p_diloco.node_runner import EXIT_OK, EXIT_USAGE, fail
     from p2p_diloco.train.data import DataError
 
     try:
+        if private and not push_to_hub:
+            raise ExportError("--private applies to the repo --push-to-hub creates; pass --push-to-hub REPO too")
+        token = None
+        if push_to_hub:
+            check_repo_id(push_to_hub)
+            token = hub_token()
         record = export_checkpoint(checkpoint_dir, out, config_path, force)
     except (ExportError, ConfigError, DataError) as e:
         return fail(str(e), EXIT_USAGE)
     run = f"run {record['run_name']!r}, " if record["run_name"] else ""
-    print(f"exported θ_global ({run}outer step {record['outer_step']}, global {record['global_sha256'][:12]}) "
-          f"to {out}: load it with AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained", flush=True)
+    what = f"θ_global ({run}outer step {record['outer_step']}, global {record['global_sha256'][:12]})"
+    print(f"exported {what} to {out}: load it with AutoModelForCausalLM.from_pretrained and "
+          f"AutoTokenizer.from_pretrained", flush=True)
+    if push_to_hub:
+        try:
+            url = push_folder(out, push_to_hub, private, token, f"p2p-diloco export of {what}")
+        except ExportError as e:
+            return fail(str(e), EXIT_USAGE)
+        print(f"pushed to {url}: load it with AutoModelForCausalLM.from_pretrained({push_to_hub!r})", flush=True)
     return EXIT_OK

@@ -226,19 +226,20 @@ def _prepare_training(cfg, peer_id: str, device, shards: int = 1):
 
     Raises DataError or ConfigError (one line for the user) before the peer joins the swarm.
     """
-    from p2p_diloco.config import shared_settings
-    from p2p_diloco.train.data import TextData, order_seed, tokenizer_sha256
+    from p2p_diloco.train.data import TextData, order_seed
     from p2p_diloco.train.fragments import model_fragments
-    from p2p_diloco.train.model import build_run_model
+    from p2p_diloco.train.model import build_run_model, run_settings
 
-    data = TextData(cfg.data)
-    model = build_run_model(cfg, data.tokenizer).to(device)
+    data = TextData(cfg.data, cfg.model.revision)
+    model = build_run_model(cfg, data.tokenizer)
+    settings = run_settings(cfg, data.tokenizer, model)  # of the weights as built: θ_global at step 0
+    model = model.to(device)
     model_fragments(model, cfg.outer)  # a hub model with fewer blocks than outer.fragments stops here
     micro_batch_size = _prepare_compute(model, cfg, device, shards)
     peer_data = data.for_peer(cfg.inner.batch_size, order_seed(cfg.run.seed, peer_id))
     if data.train is not None:  # in memory: a corpus too small for one batch is found now, before joining
         peer_data.open(0, None)
-    return model, shared_settings(cfg, tokenizer_sha256(data.tokenizer)), peer_data, micro_batch_size, data.heldout
+    return model, settings, peer_data, micro_batch_size, data.heldout
 
 
 def _save_export_assets(cfg, model_config, tokenizer, fingerprint: str) -> None:
@@ -269,6 +270,7 @@ class PeerOptions:
     wait_for_peers: int = 1
     ignore_other_settings: bool = False  # train even if the run's live peers publish other settings
     tensorboard: Optional[str] = None
+    wandb: Optional[str] = None  # a Weights & Biases project
     # override the config's [compute] values of the same names when given
     precision: Optional[str] = None
     compile: Optional[bool] = None
@@ -383,11 +385,12 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
     from p2p_diloco.train.island import IslandBroken, IslandLead
     from p2p_diloco.train.memory import MemoryFitError
 
-    metrics, lead = None, None  # metrics: closed on every path from here on (a TensorBoard writer runs a thread)
+    metrics, lead = None, None  # metrics: closed on every path from here on (TensorBoard: a thread; wandb: a process)
     try:
         identity = Identity.load_or_create(options.identity_path)
         check_member(cfg, identity.peer_id)  # a private run that does not list it would refuse all it does
-        metrics = MetricsWriter(options.metrics_file, identity.peer_id, tensorboard_dir=options.tensorboard)
+        metrics = MetricsWriter(options.metrics_file, identity.peer_id, tensorboard_dir=options.tensorboard,
+                                wandb_project=options.wandb, wandb_group=cfg.run.name)
         if island is not None:
             island.send("hello", identity.peer_id)  # the other ranks read the data in this peer's order
         model, settings, peer_data, micro_batch_size, heldout = _prepare_training(cfg, identity.peer_id, device,
@@ -442,8 +445,8 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
             error = (str(e), EXIT_ISLAND_BROKEN)
     finally:
         _stop_island(island, error[0] if error else "the peer stopped")
+        metrics.close()  # before shutdown_dht stops this process's children: wandb's service is one
         shutdown_dht(dht)
-        metrics.close()
     logger.info("peer stopped")
     skip_final_garbage_collection()
     return fail(*error) if error else EXIT_OK  # the error is the last line the user sees

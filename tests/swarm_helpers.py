@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from p2p_diloco.metrics import read_metrics
-from tests.conftest import TINY, Processes, read_first_line, write_toml
+from tests.conftest import TINY, Processes, read_first_line, tiny_config, write_toml
 from tests.netns import Host
 
 LOOPBACK = Host("loopback", namespace=None, ip="127.0.0.1", link="lo")
@@ -27,6 +27,24 @@ def tiny_config_file(directory: Path, **sections) -> Path:
         raw.setdefault(name, {}).update(values)
     directory.mkdir(parents=True, exist_ok=True)
     return write_toml(directory / "run.toml", raw)
+
+
+def save_pretrained_folder(folder: Path, seed: int) -> Path:
+    """A tiny model of TINY's sizes, initialised with `seed`, and the run's local tokenizer, saved with
+    save_pretrained: a pretrained model to start a run from (``model.pretrained = folder``)."""
+    from p2p_diloco.train.data import TextData
+    from p2p_diloco.train.model import build_model
+
+    cfg = tiny_config()
+    data = TextData(cfg.data)
+    build_model(cfg.model, data.vocab_size, seed, cfg.data.seq_len).save_pretrained(folder)
+    data.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def pretrained_sections(folder: Path) -> dict:
+    """The config sections that start a run from the model saved in `folder`, with its own tokenizer."""
+    return {"model": {"pretrained": str(folder)}, "data": {"tokenizer": str(folder)}}
 
 
 def start_peer(processes: Processes, name: str, config: Path, maddr: str, *extra: str, faults: str = "",

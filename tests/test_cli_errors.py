@@ -32,7 +32,8 @@ def test_help_documents_the_shared_network_flags():
             assert flag in out, (command, flag)
     for command, flags in (("peer", ["--config"]), ("join", ["--state-dir"])):
         out = run_cli(command, "--help").stdout
-        for flag in (*flags, "--metrics-file", "--max-outer-steps", "--device", "--tensorboard", "--wait-for-peers"):
+        for flag in (*flags, "--metrics-file", "--max-outer-steps", "--device", "--tensorboard", "--wandb",
+                     "--wait-for-peers"):
             assert flag in out, (command, flag)
     out = run_cli("status", "--help").stdout
     for flag in ("--initial-peers", "--run", "--json"):

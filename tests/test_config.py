@@ -34,6 +34,12 @@ from tests.conftest import REPO
         ({"eval": {"every": 2.5}}, "eval.every = 2.5 is invalid: must be an integer >= 0"),
         ({"eval": {"sequences": 0}}, "eval.sequences = 0 is invalid: must be an integer >= 1"),
         ({"eval": {"every_steps": 1}}, "unknown key eval.every_steps"),
+        ({"model": {"revision": "v1"}}, "model.revision = 'v1' needs model.pretrained"),
+        ({"model": {"pretrained": "org/lm", "name": "gpt2"}, "data": {"tokenizer": "org/lm"}},
+         "model.name = 'gpt2' conflicts with model.pretrained = 'org/lm': the pretrained model's own config is"),
+        ({"model": {"pretrained": "org/lm"}}, "data.tokenizer = 'local-bpe' is invalid with model.pretrained = "
+                                               "'org/lm': the model reads the token ids of its own tokenizer; set "
+                                               "data.tokenizer = 'org/lm'"),
     ],
 )
 def test_bad_values_name_key_value_and_rule(raw, message):

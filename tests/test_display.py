@@ -1,4 +1,5 @@
-"""What a person sees of a peer: its progress display, and its metrics as TensorBoard scalars."""
+"""What a person sees of a peer: its progress display, and its metrics as TensorBoard and Weights & Biases
+scalars."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import tty
 
 import pytest
 
-from p2p_diloco.metrics import TENSORBOARD_MISSING, MetricsWriter, read_metrics
+from p2p_diloco.metrics import TENSORBOARD_MISSING, WANDB_MISSING, MetricsWriter, read_metrics
 from p2p_diloco.train.display import InnerProgress
 from tests.conftest import REPO
+from tests.wandb_files import offline_wandb, wandb_history, wandb_processes
 
 
 class Clock:
@@ -71,15 +73,23 @@ def test_on_a_terminal_a_bar_toward_the_sync():
     assert display._bar is None
 
 
-def test_metrics_also_go_to_tensorboard(tmp_path):
+def test_metrics_also_go_to_tensorboard_and_wandb(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    writer = MetricsWriter(tmp_path / "metrics.jsonl", "peer-a", tensorboard_dir=str(tmp_path / "tb"))
-    writer.write("join", outer_step=0, from_checkpoint=False, data_position=0)
-    for step, loss in ((1, 5.5), (2, 4.25)):
-        writer.write("outer_step", outer_step=step, loss=loss, group_size=3, global_sha256="ab" * 32,
-                     bytes_sent=1000 * step, lr=float("nan"))
-    writer.close()
+    for name, value in offline_wandb(tmp_path / "wandb-files").items():
+        monkeypatch.setenv(name, value)
+    writer = MetricsWriter(tmp_path / "metrics.jsonl", "peer-abcdefgh", tensorboard_dir=str(tmp_path / "tb"),
+                           wandb_project="p2p-diloco-test", wandb_group="test")
+    try:
+        assert wandb_processes()  # wandb's service runs while the writer is open ...
+        writer.write("join", outer_step=0, from_checkpoint=False, data_position=0)
+        for step, loss in ((1, 5.5), (2, 4.25)):
+            writer.write("outer_step", outer_step=step, loss=loss, group_size=3, global_sha256="ab" * 32,
+                         bytes_sent=1000 * step, lr=float("nan"))
+    finally:
+        writer.close()
+    assert wandb_processes() == []  # ... and not a moment after it is closed
+
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     scalars = set(events.Tags()["scalars"])
@@ -88,12 +98,36 @@ def test_metrics_also_go_to_tensorboard(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("outer_step/loss")] == [(1, 5.5), (2, 4.25)]
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3  # the JSON lines are unchanged
 
+    (run_dir,) = (tmp_path / "wandb-files" / "wandb").glob("offline-run-*")
+    logged = [{k: v for k, v in row.items() if not k.startswith("_")} for row in wandb_history(run_dir)]
+    tensorboard = {}  # the same numbers at the same steps, row by row
+    for tag in scalars:
+        for event in events.Scalars(tag):
+            tensorboard.setdefault(event.step, {"step": event.step})[tag] = event.value
+    assert logged == [tensorboard[0], tensorboard[1], tensorboard[2]]
 
-def test_tensorboard_missing_is_a_one_line_error(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if it were not installed
+
+@pytest.mark.parametrize("module, flags, message", [
+    ("tensorboard", dict(tensorboard_dir="tb"), TENSORBOARD_MISSING),
+    ("wandb", dict(wandb_project="p"), WANDB_MISSING),
+])
+def test_a_missing_logger_package_is_a_one_line_error(monkeypatch, module, flags, message):
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
     with pytest.raises(ValueError) as err:
-        MetricsWriter(None, "peer-a", tensorboard_dir=str(tmp_path / "tb"))
-    assert str(err.value) == TENSORBOARD_MISSING
+        MetricsWriter(None, "peer-a", **flags)
+    assert str(err.value) == message
+
+
+def test_wandb_without_a_login_is_a_one_line_error(tmp_path, monkeypatch):
+    for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "HOME"):
+        monkeypatch.setenv(name, str(tmp_path))  # no netrc, no settings file with a key
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError) as err:
+        MetricsWriter(None, "peer-a", wandb_project="p")
+    assert str(err.value).startswith("--wandb p: cannot start a Weights & Biases run: No API key configured")
+    assert "WANDB_MODE=offline" in str(err.value) and "\n" not in str(err.value)
+    assert wandb_processes() == []
 
 
 def test_the_demo_describes_the_swarm_by_its_slowest_peer():

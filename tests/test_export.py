@@ -1,7 +1,8 @@
 """`p2p-diloco export`: θ_global of a real peer's checkpoint as a transformers model folder.
 
-One lone peer (a real `p2p-diloco peer` process on 127.0.0.1, no other peer) takes an outer step
-with a checkpoint directory; then
+One lone peer (a real `p2p-diloco peer` process on 127.0.0.1, no other peer), started from a pretrained
+model folder (`model.pretrained`), takes an outer step with a checkpoint directory; its θ_global at step 0
+is that folder's weights (tests/test_pretrained.py checks the rest of a pretrained start in-process); then
 
 * `export` writes a folder that `AutoModelForCausalLM.from_pretrained` and
   `AutoTokenizer.from_pretrained` load, whose logits are θ_global's and whose tokenizer gives the
@@ -20,22 +21,25 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from p2p_diloco.config import load_config, run_fingerprint
+from p2p_diloco.config import load_config, settings_fingerprint
 from p2p_diloco.export import EXPORT_RECORD, run_export
 from p2p_diloco.hashing import tensors_sha256
+from p2p_diloco.metrics import read_metrics
 from p2p_diloco.node_runner import EXIT_USAGE
 from p2p_diloco.train.checkpoint import (EXPORT_RUN_FILE, checkpoint_path, export_assets_path, load_checkpoint,
                                          save_checkpoint, save_export_assets)
-from p2p_diloco.train.data import TextData, tokenizer_sha256
-from p2p_diloco.train.model import build_model, trainable_parameters
+from p2p_diloco.train.data import TextData
+from p2p_diloco.train.model import build_model, build_run_model, run_settings, trainable_parameters
 from tests.conftest import REPO, Processes
-from tests.swarm_helpers import tiny_config_file
+from tests.swarm_helpers import pretrained_sections, save_pretrained_folder, tiny_config_file
+from tests.wandb_files import offline_wandb, wandb_history, wandb_runs
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -44,25 +48,45 @@ TEXTS = ["def export(model): return model.save_pretrained(folder)", "Help on bui
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A run config and the checkpoint directory of a lone peer that took one outer step with it."""
+    """A run config that starts from a pretrained folder, and the checkpoint directory of a lone peer that
+    took one outer step with it; the peer's θ_global at step 0 was the folder's weights."""
     folder = tmp_path_factory.mktemp("trained")
-    config = tiny_config_file(folder)
-    checkpoint_dir = folder / "checkpoint"
+    pretrained = save_pretrained_folder(folder / "pretrained", seed=7)
+    config = tiny_config_file(folder, **pretrained_sections(pretrained))
+    checkpoint_dir, metrics = folder / "checkpoint", folder / "peer.jsonl"
     processes = Processes(folder)
     # the module's processes share the session's tokenizer cache (conftest's isolated_cache)
-    env = {"P2P_DILOCO_CACHE": str(tmp_path_factory.getbasetemp() / "cache"), "OMP_NUM_THREADS": "1"}
+    env = {"P2P_DILOCO_CACHE": str(tmp_path_factory.getbasetemp() / "cache"), "OMP_NUM_THREADS": "1",
+           **offline_wandb(folder / "wandb-files")}
     try:
         peer = processes.start("peer", "peer", "--config", str(config), "--checkpoint-dir", str(checkpoint_dir),
-                               "--max-outer-steps", "1", "--host", "127.0.0.1", env=env)
+                               "--max-outer-steps", "1", "--host", "127.0.0.1", "--metrics-file", str(metrics),
+                               "--wandb", "p2p-diloco-test", env=env)
         assert peer.wait(240) == 0, processes.log("peer")
     finally:
         processes.stop_all()
+    saved = trainable_parameters(AutoModelForCausalLM.from_pretrained(pretrained))
+    join = next(r for r in read_metrics(metrics) if r["event"] == "join")
+    assert join["outer_step"] == 0  # θ_global, then the outer momentum (zero)
+    assert join["global_sha256"] == tensors_sha256([*saved, *(torch.zeros_like(p) for p in saved)])
     return config, checkpoint_dir
 
 
-def export_cli(*args: str, umask: int = -1) -> subprocess.CompletedProcess:
+def test_the_peer_logged_its_metrics_to_wandb(trained):
+    """`--wandb PROJECT` (here offline) logs a run of the peer, grouped by run.name, with its metrics' numbers."""
+    folder = trained[0].parent
+    (run_dir,) = (folder / "wandb-files" / "wandb").glob("offline-run-*")
+    (step,) = [r for r in read_metrics(folder / "peer.jsonl") if r["event"] == "outer_step"]
+    logged = [row for row in wandb_history(run_dir) if "outer_step/loss" in row]
+    assert [(row["step"], row["outer_step/loss"], row["outer_step/group_size"]) for row in logged] == [
+        (1, step["loss"], 1)]
+    assert wandb_runs(run_dir) == [("p2p-diloco-test", "test")]
+
+
+def export_cli(*args: str, env: dict | None = None, umask: int = -1) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "export", *args], capture_output=True, text=True,
-                          timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)}, umask=umask)
+                          timeout=240, env={**(os.environ if env is None else env), "PYTHONPATH": str(REPO)},
+                          umask=umask)
 
 
 def model_holding_theta_global(config, checkpoint_dir):
@@ -178,7 +202,9 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused(trained, tmp_path, 
 def test_a_config_of_other_settings_than_the_checkpoints_is_refused(trained, tmp_path, capsys):
     config, checkpoint_dir = trained
     cfg = load_config(config)
-    fingerprint = run_fingerprint(cfg, tokenizer_sha256(TextData(cfg.data).tokenizer))
+    tokenizer = TextData(cfg.data).tokenizer
+    fingerprint = settings_fingerprint(run_settings(cfg, tokenizer, build_run_model(cfg, tokenizer)))
+    capsys.readouterr()  # transformers' loading progress bar
     assert load_checkpoint(checkpoint_dir)["fingerprint"] == fingerprint
     saved = json.loads((export_assets_path(checkpoint_dir) / EXPORT_RUN_FILE).read_text())
     assert saved == {"run_name": "test", "fingerprint": fingerprint}
@@ -202,3 +228,81 @@ def test_saving_the_model_files_removes_what_a_crashed_peer_left(trained, tmp_pa
     save_export_assets(copy, AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder), "test", None)
     assert not list(copy.glob(".model.*"))
     assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+
+
+@pytest.fixture
+def recorded_hub(monkeypatch):
+    """huggingface_hub's HfApi.create_repo and upload_folder replaced by recorders (no hub is reachable here),
+    with a token in HF_TOKEN; `fail` makes upload_folder answer as a hub that refuses it would."""
+    import httpx
+    from huggingface_hub import HfApi, RepoUrl
+    from huggingface_hub.errors import HfHubHTTPError
+
+    calls = {"fail": False}
+
+    def create_repo(self, repo_id, **options):
+        calls["create_repo"] = dict(token=self.token, repo_id=repo_id, **options)
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(self, **options):
+        if calls["fail"]:
+            response = httpx.Response(403, request=httpx.Request("POST", "https://huggingface.co/api/models/x"))
+            raise HfHubHTTPError("403 Forbidden: you do not have write access to me/tiny-model\nmore detail",
+                                 response=response)
+        files = sorted(path.name for path in Path(options["folder_path"]).iterdir())
+        calls["upload_folder"] = dict(token=self.token, files=files, **options)
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.setenv("HF_TOKEN", "hf_recorded")
+    return calls
+
+
+def test_push_to_hub_creates_the_repo_and_uploads_the_exported_folder(trained, tmp_path, recorded_hub):
+    from click.testing import CliRunner
+
+    from p2p_diloco.cli import main
+
+    _, checkpoint_dir = trained
+    out = tmp_path / "model"
+    result = CliRunner().invoke(main, ["export", "--checkpoint-dir", str(checkpoint_dir), "--out", str(out),
+                                       "--push-to-hub", "me/tiny-model", "--private"])
+    assert result.exit_code == 0, result.output
+    assert "pushed to https://huggingface.co/me/tiny-model" in result.stdout
+    assert recorded_hub["create_repo"] == dict(token="hf_recorded", repo_id="me/tiny-model", repo_type="model",
+                                               private=True, exist_ok=True)
+    upload = recorded_hub["upload_folder"]
+    assert upload["token"] == "hf_recorded" and upload["repo_id"] == "me/tiny-model"
+    assert upload["folder_path"] == str(out) and upload["repo_type"] == "model"
+    assert {"config.json", "model.safetensors", "tokenizer.json", EXPORT_RECORD} <= set(upload["files"])
+    assert sorted(path.name for path in out.iterdir()) == upload["files"]
+    assert upload["commit_message"].startswith("p2p-diloco export of θ_global (run 'test', outer step 1, global ")
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--push-to-hub", "me/a b"), "--push-to-hub 'me/a b' is not a hub repository id (NAME or ORG/NAME): "),
+    (("--private",), "--private applies to the repo --push-to-hub creates; pass --push-to-hub REPO too"),
+    (("--push-to-hub", "me/tiny-model"), "--push-to-hub me/tiny-model: the upload failed: 403 Forbidden: you do "
+                                         "not have write access to me/tiny-model (the model is exported in "),
+], ids=["repo-id", "private-alone", "refused"])
+def test_a_push_to_hub_that_cannot_be_done_is_a_one_line_error(trained, tmp_path, capsys, recorded_hub, args,
+                                                                message):
+    _, checkpoint_dir = trained
+    recorded_hub["fail"] = True
+    push_to_hub = args[1] if args[0] == "--push-to-hub" else None
+    code = run_export(str(checkpoint_dir), str(tmp_path / "out"), None, False, push_to_hub, "--private" in args)
+    assert code == EXIT_USAGE
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' progress bar, if it exported
+    assert last.startswith("error: ") and message in last
+
+
+def test_push_to_hub_without_a_token_stops_before_exporting(trained, tmp_path):
+    _, checkpoint_dir = trained
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")}
+    env["HF_HOME"] = str(tmp_path / "hf-home")  # no token file that `hf auth login` would have written
+    result = export_cli("--checkpoint-dir", str(checkpoint_dir), "--out", str(tmp_path / "out"),
+                        "--push-to-hub", "me/tiny-model", env=env)
+    assert result.returncode == EXIT_USAGE
+    assert result.stderr.strip() == ("error: --push-to-hub needs a Hugging Face token with write access: log in "
+                                     "with `hf auth login` or set HF_TOKEN")
+    assert not (tmp_path / "out").exists()

@@ -182,8 +182,9 @@ def heldout_documents(cfg: DataConfig) -> Iterator[str]:
 
 
 # ----- tokenizer ----------------------------------------------------------------------------------
-def load_tokenizer(cfg: DataConfig):
-    """A hub tokenizer by name, or a byte-level BPE trained on the training documents and cached.
+def load_tokenizer(cfg: DataConfig, revision: str = ""):
+    """A hub tokenizer by name (at `revision`: model.revision, for a pretrained model's own tokenizer) or a
+    local folder, or a byte-level BPE trained on the training documents and cached.
 
     The local tokenizer learns from the first ``data.tokenizer_documents`` training documents (of a
     hub stream: its first documents in stored order, never more) and is keyed
@@ -193,7 +194,11 @@ def load_tokenizer(cfg: DataConfig):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if cfg.tokenizer != "local-bpe":
-        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, revision=revision or None)
+        except (OSError, ValueError) as e:  # no such folder or hub name (or no network to the hub)
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataError(f"data: tokenizer {cfg.tokenizer!r} cannot be loaded: {reason}") from None
         if tokenizer.eos_token is None:
             tokenizer.add_special_tokens({"eos_token": EOS_TOKEN})
         return tokenizer
@@ -269,12 +274,12 @@ class TextData:
     """The run's tokenizer plus its packed training and held-out sequences.
 
     ``train`` is None for a hub source, whose training sequences are streamed by :meth:`peer_batches`;
-    ``heldout`` is [n, seq_len], possibly with n = 0.
+    ``heldout`` is [n, seq_len], possibly with n = 0. `tokenizer_revision`: see :func:`load_tokenizer`.
     """
 
-    def __init__(self, cfg: DataConfig):
+    def __init__(self, cfg: DataConfig, tokenizer_revision: str = ""):
         self.cfg = cfg
-        self.tokenizer = load_tokenizer(cfg)
+        self.tokenizer = load_tokenizer(cfg, tokenizer_revision)
         self.vocab_size = largest_token_id(self.tokenizer) + 1  # what the model must embed
         self.eos_id = self.tokenizer.eos_token_id
         self.train = None

@@ -289,7 +289,7 @@ def choose_micro_batch(model: torch.nn.Module, cfg: Config, device: torch.device
     whose sizes are unknown) the whole batch. Counted per rank: in an island whose `shards` ranks shard
     the model, each holds that share of its state."""
     compute, batch_size = cfg.compute, cfg.inner.batch_size
-    shape = ModelShape.of(model, cfg.model.name)
+    shape = ModelShape.of(model, cfg.model.label)
     budget = memory_budget(device, compute.max_memory_gib)
     memory = shape and step_memory(shape, cfg.data.seq_len, cfg.inner.optimizer, bf16, compute.gradient_checkpointing,
                                    shards)

@@ -7,8 +7,9 @@ from typing import Optional
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
-from p2p_diloco.config import Config, ConfigError, ModelConfig
+from p2p_diloco.config import Config, ConfigError, ModelConfig, shared_settings
 from p2p_diloco.train.init_weights import UnsupportedInitialiser, seeded_initialisation
+from p2p_diloco.train.pretrained import load_pretrained, pretrained_config, weights_sha256
 
 # where model configs keep the longest sequence they can take, by architecture family
 POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -123,12 +124,28 @@ def check_vocabulary_fits(model: PreTrainedModel, tokenizer, model_name: str, to
 
 
 def build_run_model(cfg: Config, tokenizer) -> PreTrainedModel:
-    """The freshly initialised model of run config `cfg` for the run's tokenizer, on the CPU: what every
-    peer trains, and what `p2p-diloco export --config` rebuilds. Raises ConfigError when the
-    tokenizer's ids do not fit it."""
-    model = build_model(cfg.model, largest_token_id(tokenizer) + 1, cfg.run.seed, cfg.data.seq_len)
-    check_vocabulary_fits(model, tokenizer, cfg.model.name, cfg.data.tokenizer)
+    """The model of run config `cfg` for the run's tokenizer, on the CPU: freshly initialised, or with
+    ``model.pretrained`` that model's weights (p2p_diloco.train.pretrained), whose embedding keeps its
+    own size. What every peer trains, and what `p2p-diloco export --config` rebuilds. Raises ConfigError
+    when the tokenizer's ids do not fit it."""
+    if cfg.model.pretrained:
+        model_config = pretrained_config(cfg.model)
+        check_sequence_length(model_config, cfg.data.seq_len, cfg.model.pretrained)
+        model = load_pretrained(cfg.model, model_config)
+        check_fp32(model, cfg.model.pretrained)
+    else:
+        model = build_model(cfg.model, largest_token_id(tokenizer) + 1, cfg.run.seed, cfg.data.seq_len)
+    check_vocabulary_fits(model, tokenizer, cfg.model.label, cfg.data.tokenizer)
     return model
+
+
+def run_settings(cfg: Config, tokenizer, model: PreTrainedModel) -> dict:
+    """The run's shared settings (:func:`p2p_diloco.config.shared_settings`) with this tokenizer and, for a
+    pretrained run, the sha256 of `model`'s weights: call it on the model :func:`build_run_model` gave,
+    before any step changes it."""
+    from p2p_diloco.train.data import tokenizer_sha256  # data imports this module
+
+    return shared_settings(cfg, tokenizer_sha256(tokenizer), weights_sha256(model) if cfg.model.pretrained else None)
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
