@@ -375,7 +375,7 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
     from p2p_diloco.metrics import MetricsWriter
     from p2p_diloco.process_tree import children_exit_with_this_process
     from p2p_diloco.swarm.identity import Identity, IdentityError
-    from p2p_diloco.swarm.node import NodeAddressError, peer_ids_of, start_run_node
+    from p2p_diloco.swarm.node import NodeAddressError, check_listen_address, peer_ids_of, start_run_node
     from p2p_diloco.train.data import DataError
     from p2p_diloco.train.checkpoint import check_checkpoint_settings
     from p2p_diloco.sync.state_store import StoreError
@@ -389,6 +389,7 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
     try:
         identity = Identity.load_or_create(options.identity_path)
         check_member(cfg, identity.peer_id)  # a private run that does not list it would refuse all it does
+        check_listen_address(options.host, options.port)  # now, not after minutes of building a large model
         metrics = MetricsWriter(options.metrics_file, identity.peer_id, tensorboard_dir=options.tensorboard,
                                 wandb_project=options.wandb, wandb_group=cfg.run.name)
         if island is not None:
