@@ -73,13 +73,13 @@ class Evaluation:
 
 
 class HeldoutEval:
-    """A peer's (or keeper's) held-out evaluation of θ_global: `sequences` [n, seq_len] (the first n of the
-    run's held-out split), every `every` outer steps (:class:`EvalSchedule`), in batches of `batch_size`
-    (the peer's micro-batch: what fits its device)."""
+    """A peer's (or keeper's) held-out evaluation of θ_global: `sequences` [n, seq_len], n > 0 (the first n
+    of the run's held-out split; a peer without them has no HeldoutEval), every `every` outer steps
+    (:class:`EvalSchedule`), in batches of `batch_size` (the peer's micro-batch: what fits its device)."""
 
     def __init__(self, sequences: torch.Tensor, every: int, batch_size: int):
         self.sequences = sequences
-        self.schedule = EvalSchedule(every if len(sequences) else 0)
+        self.schedule = EvalSchedule(every)
         self.batch_size = batch_size
 
     def maybe(self, outer_step: int, model: torch.nn.Module, model_params: Sequence[torch.Tensor],
