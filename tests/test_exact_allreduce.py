@@ -49,17 +49,18 @@ def still_running(processes: list[list[int]], timeout_s: float) -> list[int]:
         time.sleep(0.1)
 
 
-def run_case(codec: str, case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S) -> dict:
+def run_case(codec: str, case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S, faults: str = "") -> dict:
     """All-reduce rounds among a few peers in a process of its own (tests/allreduce_case.py, which
     describes `case`): every case forks a DHT and an averager process per peer, and after several
     cases forked from the pytest process a DHT start-up hung (1 CI run in 6). That process, and every
-    process below it, is killed if it has not finished in time; whatever it started must be gone once it has."""
+    process below it, is killed if it has not finished in time; whatever it started must be gone once it has.
+    `faults`: P2P_DILOCO_FAULTS for every peer of the case (p2p_diloco/faults.py)."""
     torch.save(case, case_dir / "inputs.pt")
     log_path = case_dir / "allreduce_case.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tests.allreduce_case", codec, str(case_dir)],
                                 stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                env={**os.environ, "PYTHONPATH": str(REPO), "P2P_DILOCO_FAULTS": faults})
         try:
             stdout, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
