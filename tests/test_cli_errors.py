@@ -1,22 +1,19 @@
 """The CLI refuses bad input with one clear line and a non-zero exit; every --help works.
 
 An error found before the command starts a node (its flags, config, manifest, device, data files) is
-checked in this process, through the CLI's own code (:func:`invoke_cli`): a process for each would pay
-seconds of imports to print one line. What needs a process of its own runs as one (:func:`run_cli`): a
-node's DHT and p2pd, its signal handlers, a model built at start-up.
+checked in this process, through the CLI's own code (:func:`~tests.cli_run.invoke_cli`): a process for
+each would pay seconds of imports to print one line. What needs a process of its own runs as one
+(:func:`run_cli`): a node's DHT and p2pd, its signal handlers, a model built at start-up.
 """
 
-import logging
 import os
 import socket
 import subprocess
 import sys
-import traceback
-from contextlib import contextmanager
 
 import pytest
-from click.testing import CliRunner
 
+from tests.cli_run import invoke_cli
 from tests.conftest import REPO, TINY, Processes, read_first_line, write_toml
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,44 +25,11 @@ def run_cli(*args, timeout=90):
                           timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
-def invoke_cli(*args: str) -> subprocess.CompletedProcess:
-    """`p2p-diloco ARGS` run by its click group in this process, for a command that stops before it starts
-    a node: its exit status, stdout and stderr as :func:`run_cli` has them, its log lines and an uncaught
-    exception's traceback included."""
-    from p2p_diloco.cli import main
-
-    with logging_of_its_own():
-        result = CliRunner().invoke(main, list(args), prog_name="p2p-diloco")
-    stderr = result.stderr
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        stderr += "".join(traceback.format_exception(*result.exc_info))  # as Python prints it on exit
-    return subprocess.CompletedProcess(["p2p-diloco", *args], result.exit_code, result.stdout, stderr)
-
-
 def cli_for(command: str):
     """How a test runs `command` up to an error it finds before it starts a node: `peer` and `join` find it
-    first, in this process (:func:`invoke_cli`); `bootstrap` installs its signal handlers and starts its
-    process watcher first, in a process of its own (:func:`run_cli`)."""
+    first, in this process (:func:`~tests.cli_run.invoke_cli`); `bootstrap` installs its signal handlers
+    and starts its process watcher first, in a process of its own (:func:`run_cli`)."""
     return run_cli if command == "bootstrap" else invoke_cli
-
-
-@contextmanager
-def logging_of_its_own():
-    """The root logger without handlers while the block runs, as in a new process (a command's
-    setup_logging then writes to its stderr); the root and hivemind loggers as they were after it."""
-    import hivemind.utils.logging as hivemind_logging
-
-    root, hivemind_logger = logging.getLogger(), logging.getLogger("hivemind")
-    mode = hivemind_logging._current_mode  # where hivemind's own handler is: setup_logging moves it
-    saved = [(logger, logger.handlers, logger.level, logger.propagate) for logger in (root, hivemind_logger)]
-    root.handlers, hivemind_logger.handlers = [], list(hivemind_logger.handlers)
-    try:
-        yield
-    finally:
-        hivemind_logging.use_hivemind_log_handler(mode)
-        for logger, handlers, level, propagate in saved:
-            logger.handlers, logger.propagate = handlers, propagate
-            logger.setLevel(level)
 
 
 @pytest.mark.parametrize("command", [[], ["bootstrap"], ["peer"], ["join"], ["status"], ["demo"], ["env"]])
