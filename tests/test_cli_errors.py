@@ -1,4 +1,10 @@
-"""The CLI refuses bad input with one clear line and a non-zero exit; every --help works."""
+"""The CLI refuses bad input with one clear line and a non-zero exit; every --help works.
+
+An error found before the command starts a node (its flags, config, manifest, device, data files) is
+checked in this process, through the CLI's own code (:func:`~tests.cli_run.invoke_cli`): a process for
+each would pay seconds of imports to print one line. What needs a process of its own runs as one
+(:func:`run_cli`): a node's DHT and p2pd, its signal handlers, a model built at start-up.
+"""
 
 import os
 import socket
@@ -7,15 +13,23 @@ import sys
 
 import pytest
 
+from tests.cli_run import invoke_cli
 from tests.conftest import REPO, TINY, Processes, read_first_line, write_toml
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def run_cli(*args, cwd=None, timeout=90):
-    """The CLI of this checkout (PYTHONPATH), from any working directory."""
+def run_cli(*args, timeout=90):
+    """The CLI of this checkout (PYTHONPATH), in a process of its own."""
     return subprocess.run([sys.executable, "-m", "p2p_diloco.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def cli_for(command: str):
+    """How a test runs `command` up to an error it finds before it starts a node: `peer` and `join` find it
+    first, in this process (:func:`~tests.cli_run.invoke_cli`); `bootstrap` installs its signal handlers
+    and starts its process watcher first, in a process of its own (:func:`run_cli`)."""
+    return run_cli if command == "bootstrap" else invoke_cli
 
 
 @pytest.mark.parametrize("command", [[], ["bootstrap"], ["peer"], ["join"], ["status"], ["demo"], ["env"]])
@@ -43,13 +57,13 @@ def test_help_documents_the_shared_network_flags():
 def test_a_manifest_without_a_bootstrap_node_or_with_a_bad_one_is_a_clear_error(tmp_path):
     raw = {name: dict(values) for name, values in TINY.items()}
     manifest = write_toml(tmp_path / "run.toml", raw)
-    result = run_cli("join", str(manifest), "--host", "127.0.0.1", "--state-dir", str(tmp_path / "state"))
+    result = invoke_cli("join", str(manifest), "--host", "127.0.0.1", "--state-dir", str(tmp_path / "state"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: {manifest} names no bootstrap node (swarm.initial_peers): pass --initial-peers")
     raw["swarm"]["initial_peers"] = ["/ip4/127.0.0.1/tcp/31337"]
     write_toml(manifest, raw)
-    result = run_cli("join", str(manifest), "--host", "127.0.0.1", "--state-dir", str(tmp_path / "state"))
+    result = invoke_cli("join", str(manifest), "--host", "127.0.0.1", "--state-dir", str(tmp_path / "state"))
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: swarm.initial_peers in {manifest}: '/ip4/127.0.0.1/tcp/31337' is not a peer")
@@ -59,7 +73,7 @@ def test_bad_config_value_exits_nonzero_naming_the_key(tmp_path):
     raw = {name: dict(values) for name, values in TINY.items()}
     raw["inner"]["lr"] = -0.5
     config = write_toml(tmp_path / "bad.toml", raw)
-    result = run_cli("peer", "--config", str(config), "--host", "127.0.0.1")
+    result = invoke_cli("peer", "--config", str(config), "--host", "127.0.0.1")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "error: config: inner.lr = -0.5 is invalid: must be a number > 0"
@@ -69,7 +83,7 @@ def test_bad_config_value_exits_nonzero_naming_the_key(tmp_path):
 def test_unknown_config_key_exits_nonzero(tmp_path):
     config = tmp_path / "typo.toml"
     config.write_text("[outer]\nlearning_rate = 0.7\n")
-    result = run_cli("peer", "--config", str(config))
+    result = invoke_cli("peer", "--config", str(config))
     assert result.returncode == 2
     assert "unknown key outer.learning_rate" in result.stderr
 
@@ -78,7 +92,7 @@ def test_unknown_config_key_exits_nonzero(tmp_path):
 def test_bad_multiaddr_exits_nonzero(maddr):
     for command in (["bootstrap", "--host", "127.0.0.1", "--port", "0"],
                     ["peer", "--config", str(REPO / "peers" / "demo.toml"), "--host", "127.0.0.1"]):
-        result = run_cli(*command, "--initial-peers", maddr)
+        result = cli_for(command[0])(*command, "--initial-peers", maddr)
         assert result.returncode == 2, result.stderr
         last = result.stderr.strip().splitlines()[-1]
         assert last.startswith("error: --initial-peers") and "is not a peer multiaddr" in last
@@ -120,7 +134,7 @@ def assert_one_line_error(result, code: int, *fragments: str) -> None:
 def test_a_device_this_machine_lacks_is_one_line(tmp_path, device, message):
     if device == "mps" and __import__("torch").backends.mps.is_available():
         pytest.skip("this machine has an MPS device")
-    result = run_cli("peer", "--config", str(tiny_config_with(tmp_path)), "--host", "127.0.0.1", "--device", device)
+    result = invoke_cli("peer", "--config", str(tiny_config_with(tmp_path)), "--host", "127.0.0.1", "--device", device)
     assert_one_line_error(result, 2, message)
 
 
@@ -135,14 +149,14 @@ def test_a_corpus_too_small_for_one_batch_is_one_line_at_start_up(tmp_path):
 
 def test_a_missing_data_file_is_one_line(tmp_path):
     config = tiny_config_with(tmp_path, data={"source": "files", "paths": ["nowhere.txt"]})
-    result = run_cli("peer", "--config", str(config), "--host", "127.0.0.1")
+    result = invoke_cli("peer", "--config", str(config), "--host", "127.0.0.1")
     assert_one_line_error(result, 2, str(tmp_path / "nowhere.txt"), "does not exist")
 
 
-def test_a_shipped_manifest_is_found_by_name_with_or_without_toml_from_any_directory(tmp_path):
+def test_a_shipped_manifest_is_found_by_name_with_or_without_toml_from_any_directory(tmp_path, monkeypatch):
     # the template names no bootstrap node: the error says which file `join` found
-    result = run_cli("join", "llama-150m-c4.toml", "--host", "127.0.0.1", "--state-dir", str(tmp_path / "state"),
-                     cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = invoke_cli("join", "llama-150m-c4.toml", "--host", "127.0.0.1", "--state-dir", str(tmp_path / "state"))
     assert_one_line_error(result, 2, f"{REPO / 'peers' / 'llama-150m-c4.toml'} names no bootstrap node")
 
 
@@ -168,7 +182,7 @@ def test_shipped_manifests_are_found_where_a_wheel_installs_them(tmp_path, monke
 def test_a_bad_demo_config_value_is_one_line(tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text('[inner]\nbatch_size = "sixteen"\n')
-    result = run_cli("demo", "--config", str(config), "--out", str(tmp_path / "out"))
+    result = invoke_cli("demo", "--config", str(config), "--out", str(tmp_path / "out"))
     assert_one_line_error(result, 2, "config: inner.batch_size = 'sixteen' is invalid")
     assert not (tmp_path / "out").exists()
 
@@ -203,7 +217,7 @@ def test_a_port_in_use_is_one_line(tmp_path, command):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        result = run_cli(*node_command(command, tmp_path, "--port", str(port), "--initial-peers", dead))
+        result = cli_for(command)(*node_command(command, tmp_path, "--port", str(port), "--initial-peers", dead))
     assert_one_line_error(result, 2, f"--port {port}: another program (another node?) listens on 127.0.0.1:{port}")
 
 

@@ -1,5 +1,6 @@
-"""`p2p-diloco env`: this machine's setup for a bug report, from the real CLI. Its dial-back check, which
-needs a swarm, runs in test_bootstrap.py against the bootstrap node started there."""
+"""`p2p-diloco env`: this machine's setup for a bug report, from the real CLI (in this process: without
+--initial-peers it starts no node). Its dial-back check, which needs a swarm, runs in test_bootstrap.py
+against the bootstrap node started there."""
 
 import json
 import os
@@ -9,14 +10,13 @@ import sys
 import pytest
 
 from p2p_diloco.env_report import LIBRARIES
-from tests.conftest import REPO
+from tests.cli_run import invoke_cli
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def env_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "env", *args], capture_output=True, text=True,
-                          timeout=90, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return invoke_cli("env", *args)
 
 
 def test_env_reports_versions_devices_and_how_to_check_reachability():

@@ -17,7 +17,7 @@ import pytest
 from p2p_diloco.metrics import read_metrics
 from tests.hostile import GROUPMATE_VARIANTS, STATE_VARIANTS
 from tests.swarm_helpers import (
-    assert_consistent, last_step, outer_steps, peer_id_of, start_peer, swarm, wait_for_steps, wait_until,
+    assert_consistent, events, last_step, outer_steps, peer_id_of, proc, start_peer, swarm, wait_for_steps, wait_until,
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(480)]
@@ -82,20 +82,25 @@ def test_malformed_and_poisoned_states_from_a_donor_are_refused(processes, tmp_p
     ((poisoner, claimant, poisoned),) = printed(processes, "hostile-poisoned-donor", pattern)
     honest = {peer_id_of(m) for m in metrics}
     served = lambda: dict(re.findall(r"served (.+) to (\w+)", processes.log("hostile-donor")))  # noqa: E731
-    joiners = []
-    # the donor claims the highest priority: each joiner is served the next malformed state first
-    for index in range(len(STATE_VARIANTS) + 3):
-        if set(served()) >= set(STATE_VARIANTS):
-            break
-        joiner = start_peer(processes, f"joiner{index}", config, maddr)
-        loaded = lambda: [r for r in read_metrics(joiner) if r["event"] == "state_loaded"] if joiner.exists() else []  # noqa: E731
-        wait_until(loaded, 120, f"joiner {index} to load the state")
-        assert loaded()[0]["donor"] in honest, loaded()[0]
+    # the donor claims the highest priority: each joiner is served the next malformed state first. One joiner
+    # at a time takes part in the swarm; the next one starts (imports, builds its model) once this one has
+    # loaded the state, while this one takes an outer step and leaves.
+    joiners, budget = [], len(STATE_VARIANTS) + 3
+    joiner = start_peer(processes, "joiner0", config, maddr)
+    while joiner is not None:
+        index = len(joiners)
+        wait_until(lambda: events(joiner, "state_loaded"), 120, f"joiner {index} to load the state")
+        loaded = events(joiner, "state_loaded")[0]
+        assert loaded["donor"] in honest, loaded  # an honest peer's state: the swarm's, or the joiner's before it
+        honest.add(loaded["peer_id"])
+        following = None if set(served()) >= set(STATE_VARIANTS) or index + 1 == budget else \
+            start_peer(processes, f"joiner{index + 1}", config, maddr)
         wait_until(lambda: len(outer_steps(joiner)) >= 1, 120, f"an outer step of joiner {index}")
         joiners.append(joiner)
-        process = next(p for p in processes.procs if p.name == f"joiner{index}")
+        process = proc(processes, f"joiner{index}")
         process.send_signal(signal.SIGTERM)
         assert process.wait(20) == 0
+        joiner = following
     # why each peer that was served a variant refused it (an honest peer may have downloaded one too)
     refusals = {}
     for path in [*metrics, *joiners]:
