@@ -1,6 +1,6 @@
 """Real all-reduce rounds among a few peers, in a process of its own (tests/test_exact_allreduce.py).
 
-    python -m tests.allreduce_case CODEC CASE_DIR
+    python -m tests.allreduce_case CODEC[,CODEC...] CASE_DIR
 
 reads ``CASE_DIR/inputs.pt``: ``{"rounds": [{"inputs": one list of tensors per peer, "starts": the
 θ_global sha256 each peer names, "leaders": optional, the round's membership plan as peer indices in
@@ -13,15 +13,15 @@ after: :class:`~p2p_diloco.sync.outer_sync.PendingDelta`),
 "outer_step": optional, the step the peers average toward the next of (the round's index if absent)}, ...],
 "samples": one int per peer,
 "error_feedback": bool}``. It
-starts one DHT node and one :class:`OuterSync` in `CODEC` per peer on 127.0.0.1 and averages once per
-round, as the training loop does: a round that fails leaves its Δ owed to the next one, and with
+starts one DHT node per peer on 127.0.0.1 and, for each `CODEC` in turn, one :class:`OuterSync` in it per
+peer, which averages once per round, as the training loop does: a round that fails leaves its Δ owed to the next one, and with
 error feedback each peer sends Δ + e and commits what the group counted of it
 (:class:`~p2p_diloco.train.error_feedback.ErrorFeedback`). Peers that name different starts all fail
 their round after the all-reduce. It writes ``CASE_DIR/result.pt``: per round, each peer's mean (or
 the error it raised), group size and samples, what it sent and what the group counted of it; each
 peer's final residual; the bytes each averager sent and received; each peer's ID, the digests of what
-travelled in its agreed rounds (:mod:`p2p_diloco.sync.audit`) and the peers it bans at the end. It
-prints the same, less the tensors, as one JSON line. With ``"hostile_reducer": ATTACK`` in the case,
+travelled in its agreed rounds (:mod:`p2p_diloco.sync.audit`) and the peers it bans at the end; all
+of it per codec (a dict by codec name). It prints the same, less the tensors, as one JSON line. With ``"hostile_reducer": ATTACK`` in the case,
 peer 0 is a hostile reducer: its averager process forks under tests/hostile_peer.py's patch for
 ATTACK (``garbage-reducer``, ``equivocating-reducer`` or ``tampering-relay``), its groupmates' without it.
 
@@ -78,20 +78,49 @@ def hostile_reducer(attack: Optional[str]):
             setattr(ExactAllReduceRunner, name, method)
 
 
-def average_rounds(codec: str, rounds: list[dict], samples: list[int], error_feedback: bool = False,
-                   hostile: Optional[str] = None) -> dict:
+def average_rounds(codecs: list[str], rounds: list[dict], samples: list[int], error_feedback: bool = False,
+                   hostile: Optional[str] = None) -> dict[str, dict]:
+    """The case's rounds once per codec of `codecs`, among the same DHT nodes (one per peer): each codec's
+    averagers are started, average every round and are shut down before the next codec's, so that a case of
+    several codecs pays for the nodes' start once."""
+    peers = len(samples)
+    nodes, children, results = [], {}, {}
+    try:
+        for _ in range(peers):
+            first = visible_maddrs(nodes[0].dht) if nodes else ()
+            nodes.append(start_run_node("exact", "127.0.0.1", 0, initial_peers=first))
+        node_pids = set(process_tree.descendant_pids(os.getpid()))  # the DHT processes and their p2pd
+        for codec in codecs:
+            results[codec] = average_in(codec, nodes, rounds, samples, error_feedback, hostile, node_pids, children)
+    finally:
+        # the DHT processes and p2pd, torch's shared-memory manager
+        children.update(started(process_tree.descendant_pids(os.getpid())))
+        for node in nodes:
+            node.dht.shutdown()
+        # what shutdown left running; torch's shm manager exits by itself once its clients are gone
+        process_tree.stop_processes(process_tree.without_torch_shm_manager(list(children)))
+    # [pid, start time]: a PID alone may be a new process's by the time the test looks
+    return {codec: {**result, "children": [list(item) for item in children.items()]} for codec, result in results.items()}
+
+
+def started(pids: list[int]) -> dict[int, Optional[int]]:
+    """Each of `pids` with its start time (:func:`~p2p_diloco.process_tree.start_ticks`)."""
+    return {pid: process_tree.start_ticks(pid) for pid in pids}
+
+
+def average_in(codec: str, nodes: list, rounds: list[dict], samples: list[int], error_feedback: bool,
+               hostile: Optional[str], node_pids: set[int], children: dict[int, Optional[int]]) -> dict:
+    """The rounds in `codec`, with an averager per node of `nodes`; its processes (those not in `node_pids`)
+    are added to `children` and stopped before this returns."""
     shapes = [t.shape for t in rounds[0]["inputs"][0]]
     indices = list(range(len(shapes)))
-    dhts, syncs = [], []
+    syncs = []
     peers = len(samples)
     feedback = [ErrorFeedback(shapes) if error_feedback else None for _ in range(peers)]
     owed: list = [None] * peers  # each peer's Δ of rounds that applied nothing: it stays in θ_local
     outcomes = []
     try:
-        for i in range(peers):
-            first = visible_maddrs(dhts[0]) if dhts else ()
-            node = start_run_node("exact", "127.0.0.1", 0, initial_peers=first)
-            dhts.append(node.dht)
+        for i, node in enumerate(nodes):
             with hostile_reducer(hostile if i == 0 else None):
                 syncs.append(OuterSync(node.dht, "exact", "f" * 64, node.identity.record_subkey, shapes, CFG,
                                        state_provider=lambda: ({}, []), codec=codec, record_sent=error_feedback))
@@ -100,14 +129,11 @@ def average_rounds(codec: str, rounds: list[dict], samples: list[int], error_fee
         traffic = [(s.averager.traffic.sent, s.averager.traffic.received) for s in syncs]
         banned = [s.averager.banned_peers() for s in syncs]
     finally:
-        # the DHT and averager processes, p2pd, torch's shared-memory manager
-        children = process_tree.descendant_pids(os.getpid())
+        averagers = started([pid for pid in process_tree.descendant_pids(os.getpid()) if pid not in node_pids])
+        children.update(averagers)
         for s in syncs:
             s.shutdown()
-        for d in dhts:
-            d.shutdown()
-        # what shutdown left running; torch's shm manager exits by itself once its clients are gone
-        process_tree.stop_processes(process_tree.without_torch_shm_manager(children))
+        process_tree.stop_processes(process_tree.without_torch_shm_manager(list(averagers)))
     return {
         "codec": codec,
         "peers": peers,
@@ -116,10 +142,8 @@ def average_rounds(codec: str, rounds: list[dict], samples: list[int], error_fee
         "owed": owed,  # each peer's Δ of its last rounds, if they applied nothing
         "sent": [sent for sent, _ in traffic],
         "received": [received for _, received in traffic],
-        "peer_ids": [d.peer_id.to_base58() for d in dhts],
+        "peer_ids": [node.dht.peer_id.to_base58() for node in nodes],
         "banned": banned,
-        # [pid, start time]: a PID alone may be a new process's by the time the test looks
-        "children": [[pid, process_tree.start_ticks(pid)] for pid in children],
     }
 
 
@@ -212,15 +236,15 @@ def summary(result: dict) -> dict:
 
 
 def main() -> None:
-    codec, case_dir = sys.argv[1], Path(sys.argv[2])
+    codecs, case_dir = sys.argv[1].split(","), Path(sys.argv[2])
     setup_logging(verbose=False)  # the peers' lines, as a peer logs them: the test shows them when a case fails
     # killed (on timeout), this process takes its DHT, averager and p2pd processes with it
     process_tree.children_exit_with_this_process()
     case = torch.load(case_dir / "inputs.pt")
-    result = average_rounds(codec, case["rounds"], case["samples"], case.get("error_feedback", False),
-                            case.get("hostile_reducer"))
-    torch.save(result, case_dir / "result.pt")
-    print(json.dumps(summary(result)), flush=True)
+    results = average_rounds(codecs, case["rounds"], case["samples"], case.get("error_feedback", False),
+                             case.get("hostile_reducer"))
+    torch.save(results, case_dir / "result.pt")
+    print(json.dumps({codec: summary(result) for codec, result in results.items()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,12 @@ def run_case(codec: str, case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S
     cases forked from the pytest process a DHT start-up hung (1 CI run in 6). That process, and every
     process below it, is killed if it has not finished in time; whatever it started must be gone once it has.
     `faults`: P2P_DILOCO_FAULTS for every peer of the case (p2p_diloco/faults.py)."""
+    return run_cases([codec], case, case_dir, timeout_s, faults)[codec]
+
+
+def run_cases(codecs: list[str], case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S, faults: str = "") -> dict:
+    """:func:`run_case` once per codec of `codecs`, among the same DHT nodes: the result of each, by codec."""
+    codec = ",".join(codecs)
     torch.save(case, case_dir / "inputs.pt")
     log_path = case_dir / "allreduce_case.log"
     with open(log_path, "w") as log:
@@ -74,26 +80,37 @@ def run_case(codec: str, case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S
     log_tail = log_path.read_text()[-4000:]
     assert stdout is not None, f"{codec}: no result within {timeout_s} s; log:\n{log_tail}"
     assert proc.returncode == 0, f"{codec}: exited with {proc.returncode}; log:\n{log_tail}"
-    result = torch.load(case_dir / "result.pt")
-    printed = json.loads(stdout.strip().splitlines()[-1])["rounds"]
-    assert [r["mean_sha256"] for r in printed] == [r["mean_sha256"] for r in result["rounds"]]
+    results = torch.load(case_dir / "result.pt")
+    printed = json.loads(stdout.strip().splitlines()[-1])
+    assert list(results) == list(printed) == codecs, (list(results), list(printed))
+    for name, result in results.items():
+        assert [r["mean_sha256"] for r in printed[name]["rounds"]] == [r["mean_sha256"] for r in result["rounds"]]
     # its DHT, averager and p2pd processes are gone (torch's shm manager within seconds, by itself)
-    left = still_running(result["children"], timeout_s=10)
+    left = still_running(results[codecs[0]]["children"], timeout_s=10)
     for pid in left:
         kill_tree(pid)
     assert not left, f"{codec}: processes left running after the case: {[(p, command_name(p)) for p in left]}"
-    return result
+    return results
 
 
-@pytest.mark.swarm
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("codec", list(CODECS))
-def test_weighted_mean_is_bit_identical_on_all_peers(codec, tmp_path):
+@pytest.fixture(scope="module")
+def every_codec_case(tmp_path_factory) -> dict:
+    """One round of 3 peers in every codec, among the same DHT nodes: its inputs, samples and results."""
     peers = 3
     generator = torch.Generator().manual_seed(0)
     inputs = [[torch.randn(s, generator=generator) * 1e-2 for s in SHAPES] for _ in range(peers)]
     samples = [16, 48, 160]
-    case = run_case(codec, {"rounds": [{"inputs": inputs, "starts": [START] * peers}], "samples": samples}, tmp_path)
+    results = run_cases(list(CODECS), {"rounds": [{"inputs": inputs, "starts": [START] * peers}], "samples": samples},
+                        tmp_path_factory.mktemp("every_codec"), timeout_s=CASE_TIMEOUT_S + 30 * len(CODECS))
+    return {"inputs": inputs, "samples": samples, "results": results}
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(CASE_TIMEOUT_S + 30 * len(CODECS) + 30)
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_weighted_mean_is_bit_identical_on_all_peers(codec, every_codec_case):
+    peers, inputs, samples = 3, every_codec_case["inputs"], every_codec_case["samples"]
+    case = every_codec_case["results"][codec]
     result = {**case, **case["rounds"][0]}
 
     assert result["errors"] == [None] * peers, result["errors"]
