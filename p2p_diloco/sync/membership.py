@@ -46,7 +46,7 @@ import asyncio
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import Optional
 
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
@@ -278,14 +278,6 @@ class PlannedMatchmaking(ScreenedMatchmaking):
             self.assembled_group.set_result(None)
         return None
 
-    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
-                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        pause = faults.join_answer_pause_s()  # 0 unless a fault test makes this peer slow to answer
-        if pause:
-            await asyncio.sleep(pause)
-        async for message in super().rpc_join_group(request, context):
-            yield message
-
     def get_request_expiration_time(self) -> float:
         if self._plan() is not None and self.follow_until is not None:
             return self.follow_until  # a planned leader ignores it; hivemind's follower waits for the leader until it
@@ -294,6 +286,7 @@ class PlannedMatchmaking(ScreenedMatchmaking):
     def _check_reasons_to_reject(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> Optional[averaging_pb2.MessageFromLeader]:
+        faults.stall_join_answer()  # nothing unless a fault test makes this peer's event loop slow to answer
         refusal = self._screen_refusal(request, context)
         if refusal is not None or self._plan() is None:
             return refusal or super()._check_reasons_to_reject(request, context)
