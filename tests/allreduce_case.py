@@ -1,6 +1,8 @@
 """Real all-reduce rounds among a few peers, in a process of its own (tests/test_exact_allreduce.py).
 
-    python -m tests.allreduce_case CODEC[,CODEC...] CASE_DIR
+    python -m tests.allreduce_case RUN[,RUN...] CASE_DIR
+
+where each RUN is a codec, or CODEC:ATTACK for a run in which peer 0 is a hostile reducer (below),
 
 reads ``CASE_DIR/inputs.pt``: ``{"rounds": [{"inputs": one list of tensors per peer, "starts": the
 θ_global sha256 each peer names, "leaders": optional, the round's membership plan as peer indices in
@@ -13,7 +15,7 @@ after: :class:`~p2p_diloco.sync.outer_sync.PendingDelta`),
 "outer_step": optional, the step the peers average toward the next of (the round's index if absent)}, ...],
 "samples": one int per peer,
 "error_feedback": bool}``. It
-starts one DHT node per peer on 127.0.0.1 and, for each `CODEC` in turn, one :class:`OuterSync` in it per
+starts one DHT node per peer on 127.0.0.1 and, for each RUN in turn, one :class:`OuterSync` in its codec per
 peer, which averages once per round, as the training loop does: a round that fails leaves its Δ owed to the next one, and with
 error feedback each peer sends Δ + e and commits what the group counted of it
 (:class:`~p2p_diloco.train.error_feedback.ErrorFeedback`). Peers that name different starts all fail
@@ -21,8 +23,8 @@ their round after the all-reduce. It writes ``CASE_DIR/result.pt``: per round, e
 the error it raised), group size and samples, what it sent and what the group counted of it; each
 peer's final residual; the bytes each averager sent and received; each peer's ID, the digests of what
 travelled in its agreed rounds (:mod:`p2p_diloco.sync.audit`) and the peers it bans at the end; all
-of it per codec (a dict by codec name). It prints the same, less the tensors, as one JSON line. With ``"hostile_reducer": ATTACK`` in the case,
-peer 0 is a hostile reducer: its averager process forks under tests/hostile_peer.py's patch for
+of it per RUN (a dict by RUN). It prints the same, less the tensors, as one JSON line. With ``"hostile_reducer": ATTACK`` in the case (or
+``CODEC:ATTACK``, for one run), peer 0 is a hostile reducer: its averager process forks under tests/hostile_peer.py's patch for
 ATTACK (``garbage-reducer``, ``equivocating-reducer`` or ``tampering-relay``), its groupmates' without it.
 
 The test asserts on the result; this process only averages. Each case runs here rather than in the
@@ -78,11 +80,12 @@ def hostile_reducer(attack: Optional[str]):
             setattr(ExactAllReduceRunner, name, method)
 
 
-def average_rounds(codecs: list[str], rounds: list[dict], samples: list[int], error_feedback: bool = False,
+def average_rounds(runs: list[str], rounds: list[dict], samples: list[int], error_feedback: bool = False,
                    hostile: Optional[str] = None) -> dict[str, dict]:
-    """The case's rounds once per codec of `codecs`, among the same DHT nodes (one per peer): each codec's
-    averagers are started, average every round and are shut down before the next codec's, so that a case of
-    several codecs pays for the nodes' start once."""
+    """The case's rounds once per run of `runs` (a codec, or CODEC:ATTACK: peer 0 a hostile reducer, else as
+    `hostile` says), among the same DHT nodes (one per peer): each run's averagers are started, average every
+    round and are shut down before the next run's, so that a case of several runs pays for the nodes' start
+    once."""
     peers = len(samples)
     nodes, children, results = [], {}, {}
     try:
@@ -90,8 +93,10 @@ def average_rounds(codecs: list[str], rounds: list[dict], samples: list[int], er
             first = visible_maddrs(nodes[0].dht) if nodes else ()
             nodes.append(start_run_node("exact", "127.0.0.1", 0, initial_peers=first))
         node_pids = set(process_tree.descendant_pids(os.getpid()))  # the DHT processes and their p2pd
-        for codec in codecs:
-            results[codec] = average_in(codec, nodes, rounds, samples, error_feedback, hostile, node_pids, children)
+        for run in runs:
+            codec, _, attack = run.partition(":")
+            results[run] = average_in(codec, nodes, rounds, samples, error_feedback, attack or hostile, node_pids,
+                                      children)
     finally:
         # the DHT processes and p2pd, torch's shared-memory manager
         children.update(started(process_tree.descendant_pids(os.getpid())))
@@ -100,7 +105,7 @@ def average_rounds(codecs: list[str], rounds: list[dict], samples: list[int], er
         # what shutdown left running; torch's shm manager exits by itself once its clients are gone
         process_tree.stop_processes(process_tree.without_torch_shm_manager(list(children)))
     # [pid, start time]: a PID alone may be a new process's by the time the test looks
-    return {codec: {**result, "children": [list(item) for item in children.items()]} for codec, result in results.items()}
+    return {run: {**result, "children": [list(item) for item in children.items()]} for run, result in results.items()}
 
 
 def started(pids: list[int]) -> dict[int, Optional[int]]:
@@ -236,15 +241,15 @@ def summary(result: dict) -> dict:
 
 
 def main() -> None:
-    codecs, case_dir = sys.argv[1].split(","), Path(sys.argv[2])
+    runs, case_dir = sys.argv[1].split(","), Path(sys.argv[2])
     setup_logging(verbose=False)  # the peers' lines, as a peer logs them: the test shows them when a case fails
     # killed (on timeout), this process takes its DHT, averager and p2pd processes with it
     process_tree.children_exit_with_this_process()
     case = torch.load(case_dir / "inputs.pt")
-    results = average_rounds(codecs, case["rounds"], case["samples"], case.get("error_feedback", False),
+    results = average_rounds(runs, case["rounds"], case["samples"], case.get("error_feedback", False),
                              case.get("hostile_reducer"))
     torch.save(results, case_dir / "result.pt")
-    print(json.dumps({codec: summary(result) for codec, result in results.items()}), flush=True)
+    print(json.dumps({run: summary(result) for run, result in results.items()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -58,13 +58,14 @@ def run_case(codec: str, case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S
     return run_cases([codec], case, case_dir, timeout_s, faults)[codec]
 
 
-def run_cases(codecs: list[str], case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S, faults: str = "") -> dict:
-    """:func:`run_case` once per codec of `codecs`, among the same DHT nodes: the result of each, by codec."""
-    codec = ",".join(codecs)
+def run_cases(runs: list[str], case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S, faults: str = "") -> dict:
+    """:func:`run_case` once per run of `runs` (a codec, or CODEC:ATTACK with peer 0 a hostile reducer), among
+    the same DHT nodes: the result of each, by run."""
+    spec = ",".join(runs)
     torch.save(case, case_dir / "inputs.pt")
     log_path = case_dir / "allreduce_case.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.allreduce_case", codec, str(case_dir)],
+        proc = subprocess.Popen([sys.executable, "-m", "tests.allreduce_case", spec, str(case_dir)],
                                 stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO,
                                 env={**os.environ, "PYTHONPATH": str(REPO), "P2P_DILOCO_FAULTS": faults})
         try:
@@ -78,18 +79,18 @@ def run_cases(codecs: list[str], case: dict, case_dir, timeout_s: float = CASE_T
                 for pid in wait_gone(below, 10):  # each watches its parent and stops by itself; if not:
                     kill_tree(pid)
     log_tail = log_path.read_text()[-4000:]
-    assert stdout is not None, f"{codec}: no result within {timeout_s} s; log:\n{log_tail}"
-    assert proc.returncode == 0, f"{codec}: exited with {proc.returncode}; log:\n{log_tail}"
+    assert stdout is not None, f"{spec}: no result within {timeout_s} s; log:\n{log_tail}"
+    assert proc.returncode == 0, f"{spec}: exited with {proc.returncode}; log:\n{log_tail}"
     results = torch.load(case_dir / "result.pt")
     printed = json.loads(stdout.strip().splitlines()[-1])
-    assert list(results) == list(printed) == codecs, (list(results), list(printed))
+    assert list(results) == list(printed) == runs, (list(results), list(printed))
     for name, result in results.items():
         assert [r["mean_sha256"] for r in printed[name]["rounds"]] == [r["mean_sha256"] for r in result["rounds"]]
     # its DHT, averager and p2pd processes are gone (torch's shm manager within seconds, by itself)
-    left = still_running(results[codecs[0]]["children"], timeout_s=10)
+    left = still_running(results[runs[0]]["children"], timeout_s=10)
     for pid in left:
         kill_tree(pid)
-    assert not left, f"{codec}: processes left running after the case: {[(p, command_name(p)) for p in left]}"
+    assert not left, f"{spec}: processes left running after the case: {[(p, command_name(p)) for p in left]}"
     return results
 
 

@@ -21,6 +21,7 @@ import torch
 
 from p2p_diloco.manifest import lock_state_dir
 from p2p_diloco.node_runner import EXIT_OTHER_SETTINGS, EXIT_USAGE
+from tests.cli_run import invoke_cli
 from tests.conftest import REPO
 from tests.swarm_helpers import (
     FAST_TIMEOUTS, events, last_step, proc, start_bootstrap, start_peer, swarm, tiny_config_file,
@@ -75,7 +76,8 @@ def test_join_refuses_a_state_directory_in_use_and_an_unknown_manifest(processes
     finally:
         held.lock.close()
     assert result.returncode == EXIT_USAGE and "another peer already runs from" in result.stderr, result.stderr
-    result = cli("join", "no-such-run", "--host", "127.0.0.1", "--state-dir", str(tmp_path / "s"))
+    # refused before any node starts: checked in this process (tests/cli_run.py)
+    result = invoke_cli("join", "no-such-run", "--host", "127.0.0.1", "--state-dir", str(tmp_path / "s"))
     assert result.returncode == EXIT_USAGE and "no run manifest 'no-such-run'" in result.stderr
     assert "demo" in result.stderr  # it lists the manifests it knows
 

@@ -20,7 +20,7 @@ from p2p_diloco.sync.commit import judge
 from p2p_diloco.sync.exact_allreduce import SenderOrderReducer
 from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule, aggregate
 from tests.allreduce_case import START
-from tests.test_exact_allreduce import assert_counted_is_the_round_trip, reduce_parts, run_case
+from tests.test_exact_allreduce import CASE_TIMEOUT_S, assert_counted_is_the_round_trip, reduce_parts, run_case, run_cases
 
 PEERS = [f"Qm{c * 44}" for c in "abcdefg"]  # base58 peer IDs, sorted as written
 SHA = {name: hashlib.sha256(name.encode()).hexdigest() for name in ("mean", "other", "sent", "lie")}
@@ -168,13 +168,25 @@ def case_inputs(peers: int = 3) -> dict:
             "error_feedback": True}
 
 
+ATTACKS = ("garbage-reducer", "equivocating-reducer")  # tests/hostile_peer.py's, peer 0 the hostile reducer
+AUDITED_TIMEOUT_S = CASE_TIMEOUT_S + 60 * len(ATTACKS)
+
+
+@pytest.fixture(scope="module")
+def audited_rounds(tmp_path_factory) -> dict:
+    """One round of three peers, honest, and once with each of :data:`ATTACKS`, among the same DHT nodes:
+    the result of each, by run (``CODEC`` or ``CODEC:ATTACK``)."""
+    runs = [CODEC, *(f"{CODEC}:{attack}" for attack in ATTACKS)]
+    return run_cases(runs, case_inputs(), tmp_path_factory.mktemp("audited"), timeout_s=AUDITED_TIMEOUT_S)
+
+
 @pytest.mark.swarm
-@pytest.mark.timeout(180)
-def test_an_honest_round_records_what_travelled_and_passes_its_audits(tmp_path):
+@pytest.mark.timeout(AUDITED_TIMEOUT_S + 30)
+def test_an_honest_round_records_what_travelled_and_passes_its_audits(audited_rounds):
     """Three honest peers, one round: every member counts its own reduced parts, like the parts it sent,
     as the codec's round trip; all agree on each reducer's results, name the same auditors, and every
     audit passes (the round is applied)."""
-    result = run_case(CODEC, case_inputs(), tmp_path)
+    result = audited_rounds[CODEC]
     round_ = result["rounds"][0]
     assert round_["errors"] == [None] * 3, round_["errors"]
     assert_counted_is_the_round_trip(round_, CODECS[CODEC])
@@ -188,18 +200,18 @@ def test_an_honest_round_records_what_travelled_and_passes_its_audits(tmp_path):
     assert result["banned"] == [[]] * 3
 
 
-def hostile_case(attack: str, tmp_path) -> tuple[dict, str]:
-    """One round of three peers, peer 0 a hostile reducer (tests/hostile_peer.py's `attack`)."""
-    result = run_case(CODEC, {**case_inputs(), "hostile_reducer": attack}, tmp_path)
+def hostile_case(attack: str, audited_rounds: dict) -> tuple[dict, str]:
+    """The round of three peers in which peer 0 is a hostile reducer (tests/hostile_peer.py's `attack`)."""
+    result = audited_rounds[f"{CODEC}:{attack}"]
     errors = result["rounds"][0]["errors"]
     assert all(e is not None and "round void" in e for e in errors), errors  # nobody applies the round
     return result, result["peer_ids"][0]
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(180)
-def test_a_reducer_that_returns_a_wrong_result_to_everyone_is_caught_by_its_auditor(tmp_path):
-    result, hostile = hostile_case("garbage-reducer", tmp_path)
+@pytest.mark.timeout(AUDITED_TIMEOUT_S + 30)
+def test_a_reducer_that_returns_a_wrong_result_to_everyone_is_caught_by_its_auditor(audited_rounds):
+    result, hostile = hostile_case("garbage-reducer", audited_rounds)
     errors = result["rounds"][0]["errors"]
     auditor = next(i for i, e in enumerate(errors) if f"this peer's audit of reducer {hostile[-8:]}" in e)
     assert "wrong mean" in errors[auditor] and auditor != 0
@@ -210,9 +222,9 @@ def test_a_reducer_that_returns_a_wrong_result_to_everyone_is_caught_by_its_audi
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(180)
-def test_a_reducer_that_sends_different_results_to_different_members_is_banned_by_them(tmp_path):
-    result, hostile = hostile_case("equivocating-reducer", tmp_path)
+@pytest.mark.timeout(AUDITED_TIMEOUT_S + 30)
+def test_a_reducer_that_sends_different_results_to_different_members_is_banned_by_them(audited_rounds):
+    result, hostile = hostile_case("equivocating-reducer", audited_rounds)
     errors = result["rounds"][0]["errors"]
     for honest in (1, 2):  # each got other bytes than the reducer's own report states it sent
         assert f"reducer {hostile[-8:]}" in errors[honest] and "different values to different peers" in errors[honest]
