@@ -98,12 +98,13 @@ def average_rounds(runs: list[str], rounds: list[dict], samples: list[int], erro
             results[run] = average_in(codec, nodes, rounds, samples, error_feedback, attack or hostile, node_pids,
                                       children)
     finally:
-        # the DHT processes and p2pd, torch's shared-memory manager
-        children.update(started(process_tree.descendant_pids(os.getpid())))
+        # the DHT processes and p2pd, torch's shared-memory manager (the runs' averagers are stopped already)
+        running = process_tree.descendant_pids(os.getpid())
+        children.update(started(running))
         for node in nodes:
             node.dht.shutdown()
         # what shutdown left running; torch's shm manager exits by itself once its clients are gone
-        process_tree.stop_processes(process_tree.without_torch_shm_manager(list(children)))
+        process_tree.stop_processes(process_tree.without_torch_shm_manager(running))
     # [pid, start time]: a PID alone may be a new process's by the time the test looks
     return {run: {**result, "children": [list(item) for item in children.items()]} for run, result in results.items()}
 
