@@ -29,8 +29,8 @@ Variants (names for --variants; [outer] settings, see p2p_diloco/config.py):
 - `streaming-overlap-4bit`: codec fp4-e3m0 with error feedback, P fragments, sync_delay 5, merge_alpha 0.5;
 - `overlap-max-4bit`: the same with one fragment and the longest overlap, sync_delay H − 1;
 - `defaults`: the shipped [outer] defaults;
-- `defaults-no-ahead`: the same with ``swarm.match_ahead = false`` (a peer says it is ready only once its Δ
-  is taken, not its lead of inner steps before: p2p_diloco/train/match_ahead.py).
+- `defaults-ahead`: the same with ``swarm.match_ahead = true`` (a peer says it is ready a few inner steps
+  before its Δ is taken: p2p_diloco/train/match_ahead.py).
 Every variant but the two `defaults` starts from DiLoCo's blocking fp32 sync (DILOCO) and changes what it names.
 
 Per setting and peer, from its metrics file (`outer_step` records):
@@ -147,12 +147,12 @@ def variants(codecs: list[str], fragments: int) -> dict[str, dict]:
     table["streaming-overlap-4bit"] = {**DILOCO, **overlap_4bit, "fragments": fragments, "sync_delay": 5}
     table["overlap-max-4bit"] = {**DILOCO, **overlap_4bit, "sync_delay": 1000}  # lowered to H − 1
     table["defaults"] = {}
-    table["defaults-no-ahead"] = {}  # with SWARM_SETTINGS' change
+    table["defaults-ahead"] = {}  # with SWARM_SETTINGS' change
     return table
 
 
 # variants that change [swarm] settings too (each peer's own, outside the run's fingerprint)
-SWARM_SETTINGS = {"defaults-no-ahead": {"match_ahead": False}}
+SWARM_SETTINGS = {"defaults-ahead": {"match_ahead": True}}
 PHASES = ("wait", "match", "late", "allreduce", "commit", "audit")  # an outer_step record's sync_phases
 
 

@@ -11,8 +11,6 @@ widen the window of a phase so that a test can hit it reliably, or make a peer s
   sit mid all-reduce waiting on it; "fault injection: pausing mid all-reduce" is logged first;
 * ``allreduce_send_delay``: seconds this peer, as a sender, waits after it sent its first part to a
   reducer, in the same round (for a peer that reduces nothing: an unreachable client);
-* ``join_answer_delay``: seconds this peer's averager stalls (its event loop blocked) before it answers a
-  join request: a leader on a loaded machine, slower to answer than ``request_timeout``;
 * ``serve_state_delay``: seconds a donor pauses after it sent the first part of its state to a
   joiner, so that a kill lands mid-transfer ("fault injection: pausing mid state transfer" is
   logged first).
@@ -26,8 +24,7 @@ import time
 
 logger = logging.getLogger(__name__)
 
-KNOWN = ("inner_step_delay", "allreduce_delay", "allreduce_send_delay", "allreduce_delay_round", "join_answer_delay",
-         "serve_state_delay")
+KNOWN = ("inner_step_delay", "allreduce_delay", "allreduce_send_delay", "allreduce_delay_round", "serve_state_delay")
 
 
 def _parse(spec: str) -> dict[str, float]:
@@ -54,12 +51,6 @@ def allreduce_pause_s(round_index: int, role: str = "reducer") -> float:
 def after_inner_step() -> None:
     if "inner_step_delay" in ACTIVE:
         time.sleep(ACTIVE["inner_step_delay"])
-
-
-def stall_join_answer() -> None:
-    """Block the calling event loop before a join request is answered, as a loaded machine would."""
-    if "join_answer_delay" in ACTIVE:
-        time.sleep(ACTIVE["join_answer_delay"])
 
 
 def serve_state_pause_s() -> float:

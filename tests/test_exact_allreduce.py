@@ -49,16 +49,15 @@ def still_running(processes: list[list[int]], timeout_s: float) -> list[int]:
         time.sleep(0.1)
 
 
-def run_case(codec: str, case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S, faults: str = "") -> dict:
+def run_case(codec: str, case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S) -> dict:
     """All-reduce rounds among a few peers in a process of its own (tests/allreduce_case.py, which
     describes `case`): every case forks a DHT and an averager process per peer, and after several
     cases forked from the pytest process a DHT start-up hung (1 CI run in 6). That process, and every
-    process below it, is killed if it has not finished in time; whatever it started must be gone once it has.
-    `faults`: P2P_DILOCO_FAULTS for every peer of the case (p2p_diloco/faults.py)."""
-    return run_cases([codec], case, case_dir, timeout_s, faults)[codec]
+    process below it, is killed if it has not finished in time; whatever it started must be gone once it has."""
+    return run_cases([codec], case, case_dir, timeout_s)[codec]
 
 
-def run_cases(runs: list[str], case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S, faults: str = "") -> dict:
+def run_cases(runs: list[str], case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S) -> dict:
     """:func:`run_case` once per run of `runs` (a codec, or CODEC:ATTACK with peer 0 a hostile reducer), among
     the same DHT nodes: the result of each, by run."""
     spec = ",".join(runs)
@@ -67,7 +66,7 @@ def run_cases(runs: list[str], case: dict, case_dir, timeout_s: float = CASE_TIM
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tests.allreduce_case", spec, str(case_dir)],
                                 stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO), "P2P_DILOCO_FAULTS": faults})
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
         try:
             stdout, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -55,7 +55,6 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
-from p2p_diloco import faults
 from p2p_diloco.swarm.progress import READY, PeerProgress
 from p2p_diloco.swarm.reachability import DIRECT
 from p2p_diloco.sync.group_screen import GroupMetadata, ScreenedMatchmaking, parse_gathered
@@ -144,23 +143,6 @@ class PlannedMatchmaking(ScreenedMatchmaking):
         # (the token of a round, its planned members): set by the averager before the round's step
         self.planned_members: tuple[str, frozenset[str]] = ("", frozenset())
         self.follow_until: Optional[float] = None  # DHT time until which this member waits for the leader it joined
-        self.answer_by: Optional[float] = None  # loop time until which this member waits for its leader's answer
-
-    @property
-    def request_timeout(self) -> float:
-        """How long hivemind's follower waits for a leader's first answer to a join request (and, past its
-        expiration, for the all-reduce to begin). A planned member waits for its leader's answer until the
-        leader's window ends (:meth:`_join`). One that gave up after ``request_timeout`` while its leader was
-        slow to answer (a loaded machine) lost the round: retried, it gave up again until the window ended;
-        or the leader took it in as it left, and the group held a member that never began its all-reduce,
-        which voided the round for the others."""
-        if self.answer_by is None or self.was_accepted_to_group.is_set():
-            return self._request_timeout
-        return max(self._request_timeout, self.answer_by - asyncio.get_event_loop().time())
-
-    @request_timeout.setter
-    def request_timeout(self, seconds: float) -> None:
-        self._request_timeout = seconds
 
     def _plan(self) -> Optional[GroupMetadata]:
         """This peer's own metadata for the round being matched, if it holds a membership plan."""
@@ -192,17 +174,13 @@ class PlannedMatchmaking(ScreenedMatchmaking):
         windows, not the round."""
         loop = asyncio.get_event_loop()
         self.follow_until = get_dht_time() + window_end - loop.time() + 2 * self.window_s
-        self.answer_by = window_end
-        try:
-            while loop.time() < window_end and not self.assembled_group.done():
-                group = await self._request_join_group(leader)
-                if group is not None:
-                    return group
-                if self.screen.refuses(leader):
-                    return None
-                await asyncio.sleep(RETRY_S)
-        finally:
-            self.answer_by = None
+        while loop.time() < window_end and not self.assembled_group.done():
+            group = await self._request_join_group(leader)
+            if group is not None:
+                return group
+            if self.screen.refuses(leader):
+                return None
+            await asyncio.sleep(RETRY_S)
         return self.assembled_group.result() if self.assembled_group.done() else None
 
     async def _lead(self, plan: GroupMetadata) -> Optional[GroupInfo]:
@@ -286,7 +264,6 @@ class PlannedMatchmaking(ScreenedMatchmaking):
     def _check_reasons_to_reject(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> Optional[averaging_pb2.MessageFromLeader]:
-        faults.stall_join_answer()  # nothing unless a fault test makes this peer's event loop slow to answer
         refusal = self._screen_refusal(request, context)
         if refusal is not None or self._plan() is None:
             return refusal or super()._check_reasons_to_reject(request, context)
