@@ -15,17 +15,18 @@ after: :class:`~p2p_diloco.sync.outer_sync.PendingDelta`),
 "outer_step": optional, the step the peers average toward the next of (the round's index if absent)}, ...],
 "samples": one int per peer,
 "error_feedback": bool}``. It
-starts one DHT node per peer on 127.0.0.1 and, for each RUN in turn, one :class:`OuterSync` in its codec per
-peer, which averages once per round, as the training loop does: a round that fails leaves its Δ owed to the next one, and with
-error feedback each peer sends Δ + e and commits what the group counted of it
-(:class:`~p2p_diloco.train.error_feedback.ErrorFeedback`). Peers that name different starts all fail
-their round after the all-reduce. It writes ``CASE_DIR/result.pt``: per round, each peer's mean (or
-the error it raised), group size and samples, what it sent and what the group counted of it; each
-peer's final residual; the bytes each averager sent and received; each peer's ID, the digests of what
-travelled in its agreed rounds (:mod:`p2p_diloco.sync.audit`) and the peers it bans at the end; all
-of it per RUN (a dict by RUN). It prints the same, less the tensors, as one JSON line. With ``"hostile_reducer": ATTACK`` in the case (or
-``CODEC:ATTACK``, for one run), peer 0 is a hostile reducer: its averager process forks under tests/hostile_peer.py's patch for
-ATTACK (``garbage-reducer``, ``equivocating-reducer`` or ``tampering-relay``), its groupmates' without it.
+starts one DHT node per peer on 127.0.0.1 and, for each RUN in turn, one :class:`OuterSync` in its
+codec per peer, which averages once per round, as the training loop does: a round that fails leaves
+its Δ owed to the next one, and with error feedback each peer sends Δ + e and commits what the group
+counted of it (:class:`~p2p_diloco.train.error_feedback.ErrorFeedback`). Peers that name different
+starts all fail their round after the all-reduce. It writes ``CASE_DIR/result.pt``: ``{"runs": by
+RUN, per round each peer's mean (or the error it raised), group size and samples, what it sent and
+what the group counted of it; each peer's final residual; the bytes each averager sent and received;
+each peer's ID, the digests of what travelled in its agreed rounds (:mod:`p2p_diloco.sync.audit`) and
+the peers it bans at the end, "children": every process the case started}``. It prints the runs', less
+their tensors, as one JSON line. With ``"hostile_reducer": ATTACK`` in the case (or ``CODEC:ATTACK``,
+for one run), peer 0 is a hostile reducer: its averager process forks under tests/hostile_peer.py's
+patch for ATTACK (``garbage-reducer``, ``equivocating-reducer`` or ``tampering-relay``), its groupmates' without it.
 
 The test asserts on the result; this process only averages. Each case runs here rather than in the
 pytest process because every case forks a DHT and an averager process per peer, and after several
@@ -81,11 +82,11 @@ def hostile_reducer(attack: Optional[str]):
 
 
 def average_rounds(runs: list[str], rounds: list[dict], samples: list[int], error_feedback: bool = False,
-                   hostile: Optional[str] = None) -> dict[str, dict]:
+                   hostile: Optional[str] = None) -> dict:
     """The case's rounds once per run of `runs` (a codec, or CODEC:ATTACK: peer 0 a hostile reducer, else as
     `hostile` says), among the same DHT nodes (one per peer): each run's averagers are started, average every
     round and are shut down before the next run's, so that a case of several runs pays for the nodes' start
-    once."""
+    once. The result of each run by run, and every process the case started."""
     peers = len(samples)
     nodes, children, results = [], {}, {}
     try:
@@ -106,7 +107,7 @@ def average_rounds(runs: list[str], rounds: list[dict], samples: list[int], erro
         # what shutdown left running; torch's shm manager exits by itself once its clients are gone
         process_tree.stop_processes(process_tree.without_torch_shm_manager(running))
     # [pid, start time]: a PID alone may be a new process's by the time the test looks
-    return {run: {**result, "children": [list(item) for item in children.items()]} for run, result in results.items()}
+    return {"runs": results, "children": [list(item) for item in children.items()]}
 
 
 def started(pids: list[int]) -> dict[int, Optional[int]]:
@@ -250,7 +251,7 @@ def main() -> None:
     results = average_rounds(runs, case["rounds"], case["samples"], case.get("error_feedback", False),
                              case.get("hostile_reducer"))
     torch.save(results, case_dir / "result.pt")
-    print(json.dumps({run: summary(result) for run, result in results.items()}), flush=True)
+    print(json.dumps({run: summary(result) for run, result in results["runs"].items()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -80,13 +80,14 @@ def run_cases(runs: list[str], case: dict, case_dir, timeout_s: float = CASE_TIM
     log_tail = log_path.read_text()[-4000:]
     assert stdout is not None, f"{spec}: no result within {timeout_s} s; log:\n{log_tail}"
     assert proc.returncode == 0, f"{spec}: exited with {proc.returncode}; log:\n{log_tail}"
-    results = torch.load(case_dir / "result.pt")
+    case_result = torch.load(case_dir / "result.pt")
+    results = case_result["runs"]
     printed = json.loads(stdout.strip().splitlines()[-1])
     assert list(results) == list(printed) == runs, (list(results), list(printed))
     for name, result in results.items():
         assert [r["mean_sha256"] for r in printed[name]["rounds"]] == [r["mean_sha256"] for r in result["rounds"]]
     # its DHT, averager and p2pd processes are gone (torch's shm manager within seconds, by itself)
-    left = still_running(results[runs[0]]["children"], timeout_s=10)
+    left = still_running(case_result["children"], timeout_s=10)
     for pid in left:
         kill_tree(pid)
     assert not left, f"{spec}: processes left running after the case: {[(p, command_name(p)) for p in left]}"

@@ -20,7 +20,9 @@ from p2p_diloco.sync.commit import judge
 from p2p_diloco.sync.exact_allreduce import SenderOrderReducer
 from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule, aggregate
 from tests.allreduce_case import START
-from tests.test_exact_allreduce import CASE_TIMEOUT_S, assert_counted_is_the_round_trip, reduce_parts, run_case, run_cases
+from tests.test_exact_allreduce import (
+    CASE_TIMEOUT_S, assert_counted_is_the_round_trip, reduce_parts, run_case, run_cases,
+)
 
 PEERS = [f"Qm{c * 44}" for c in "abcdefg"]  # base58 peer IDs, sorted as written
 SHA = {name: hashlib.sha256(name.encode()).hexdigest() for name in ("mean", "other", "sent", "lie")}
