@@ -129,14 +129,18 @@ def test_a_private_run_refuses_every_identity_it_does_not_list(processes, tmp_pa
     config = tiny_config_file(tmp_path / "private", run={"allowed_peers": [a, b]}, inner={"steps_per_outer": 10},
                               swarm=FAST_TIMEOUTS)
     maddr = start_bootstrap(processes)
-    # the three start training together, at outer step 0: the unlisted peer asks to average before it
-    # falls behind and asks for the state
+    # the three start training together, at outer step 0. The listed peers sleep 0.2 s per inner step and, as
+    # reducers, hold back their first round's averaged parts 1.5 s; the unlisted peer does neither. It is ready
+    # first, waits for them (it reads their records), and asks their leader to take it in while their records
+    # still say outer step 0. Without these, a round of the tiny model took 0.5 s, and the unlisted peer, slow
+    # on a loaded machine, once found the pair past outer step 0 before it asked: it then only asked for the
+    # state (1 CI run).
     unlisted_metrics = processes.log_dir / "unlisted.jsonl"
     start_hostile(processes, "unlisted-peer", config, maddr, "--identity-path", path_u,
                   "--metrics-file", str(unlisted_metrics), "--wait-for-peers", "2")
     wait_until(lambda: "waiting for 2 peers" in processes.log("hostile-unlisted-peer"), 120, "the unlisted peer")
-    listed = [start_peer(processes, f"peer{i}", config, maddr, "--identity-path", path, "--wait-for-peers", "2")
-              for i, path in enumerate((path_a, path_b))]
+    listed = [start_peer(processes, f"peer{i}", config, maddr, "--identity-path", path, "--wait-for-peers", "2",
+                         faults="inner_step_delay=0.2,allreduce_delay=1.5") for i, path in enumerate((path_a, path_b))]
     start_hostile(processes, "records", config, maddr)
     wait_for_steps(listed, 2)
     logs = lambda: "".join(processes.log(f"peer{i}") for i in range(2))  # noqa: E731
