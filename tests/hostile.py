@@ -5,8 +5,10 @@
 * ``records``: writes malformed, unsigned, forged and lying records under the run's DHT keys from a
   node that stores anything, and keeps them fresh;
 * ``markup``: keeps a well-formed, signed status record fresh whose device and version are markup;
-* ``donor``: declares itself the best state donor of the run and serves the next malformed state
-  of :data:`STATE_VARIANTS` to each peer that downloads from it (the same one if it asks again);
+* ``donor``: one identity per state of :data:`STATE_VARIANTS` (malformed, or sound and unvouched),
+  each declared the best state donor of the run and serving its state to every peer that downloads
+  from it: a peer that loads the state is offered them all, one after the other, before an honest
+  donor's state;
 * ``poisoned-donor``: signs a progress record one outer step ahead of the honest peers (kept one
   step ahead as they move) with the sha256 of a well-formed poisoned state, declares itself the best
   donor and serves that state: what a single identity needs to replace θ_global, were a state one
@@ -87,11 +89,12 @@ def run_parameters(config_path: str):
     return cfg, run_fingerprint(cfg, tokenizer_sha256(data.tokenizer)), params
 
 
-def start_dht(initial_peers) -> tuple[DHT, StoresAnything]:
-    """A DHT node that stores anything; it strips the run's signatures from what it reads, like any node."""
+def start_dht(initial_peers, await_ready: bool = True) -> tuple[DHT, StoresAnything]:
+    """A DHT node that stores anything; it strips the run's signatures from what it reads, like any node.
+    Without `await_ready`, call its ``wait_until_ready`` before use."""
     signer = StoresAnything(RSAPrivateKey())
     dht = DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[signer],
-              start=True)
+              start=True, await_ready=await_ready)
     return dht, signer
 
 
@@ -187,7 +190,7 @@ def write_markup(args, stop: threading.Event) -> None:
 
 # ----- donor --------------------------------------------------------------------------------------
 def state_variants(params: list[torch.Tensor]):
-    """(name, metadata, tensors) of each malformed state, in the order they are served."""
+    """(name, metadata, tensors) of each malformed state, and of a sound state nobody vouches for."""
     state = [*params, *[torch.zeros_like(p) for p in params]]
     sha = tensors_sha256(state)
     meta = dict(outer_step=1, sha256=sha, inner_steps=10)
@@ -211,14 +214,13 @@ STATE_VARIANTS = [name for name, _, _ in state_variants([torch.zeros(1)])]
 
 class SwarmAverager(DecentralizedAverager):
     """Named like the peers' averager (hivemind names its network handlers after the class); serves
-    each peer that downloads from it the next of `variants`, and that same one if the peer asks again
-    (so each refusal a peer reports names one variant); with `claimed_step` (a shared integer), as the
-    state at that outer step."""
+    `variant` (name, metadata, tensors) to each peer that downloads from it; with `claimed_step` (a shared
+    integer), as the state at that outer step."""
 
     matchmaking = None  # hivemind's Matchmaking unless set before the averager process starts
 
-    def __init__(self, *args, variants=(), claimed_step=None, **kwargs):
-        self.variants, self.variant_of, self.claimed_step = list(variants), {}, claimed_step
+    def __init__(self, *args, variant=None, claimed_step=None, **kwargs):
+        self.variant, self.claimed_step = variant, claimed_step
         super().__init__(*args, **kwargs)
 
     def _run_internal(self):  # in the averager's process, where hivemind builds its Matchmaking by name
@@ -229,10 +231,8 @@ class SwarmAverager(DecentralizedAverager):
     async def rpc_download_state(  # runs in the averager's process
         self, _request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        requester = context.remote_id.to_base58()
-        index = self.variant_of.setdefault(requester, len(self.variant_of) % len(self.variants))
-        name, metadata, tensors = self.variants[index]
-        say(f"served {name} to {requester}")
+        name, metadata, tensors = self.variant
+        say(f"served {name} to {context.remote_id.to_base58()}")
         if self.claimed_step is not None:
             metadata = {**metadata, "outer_step": self.claimed_step.value}
         metadata = self.serializer.dumps(metadata)
@@ -245,16 +245,29 @@ class SwarmAverager(DecentralizedAverager):
 
 def serve_states(args, stop: threading.Event) -> None:
     cfg, fingerprint, params = run_parameters(args.config)
-    dht, _ = start_dht(args.initial_peers)
-    donor = SwarmAverager([torch.zeros(1)], dht, prefix=averager_prefix(cfg.run.name, fingerprint), start=True,
-                         allow_state_sharing=True, declare_state_period=2.0, variants=state_variants(params))
-    donor.state_sharing_priority = 1e12  # above any honest peer: it is asked first
-    say(f"donor ready as {dht.peer_id.to_base58()}")
+    variants = state_variants(params)
+    # one identity per state, its DHT node and averager started beside the others' (each takes seconds)
+    nodes = [start_dht(args.initial_peers, await_ready=False)[0] for _ in variants]
+    donors = []
     try:
+        for dht in nodes:
+            dht.wait_until_ready(timeout=60)
+        for dht, variant in zip(nodes, variants):
+            donors.append(SwarmAverager([torch.zeros(1)], dht, prefix=averager_prefix(cfg.run.name, fingerprint),
+                                        start=False, allow_state_sharing=True, declare_state_period=2.0,
+                                        variant=variant))
+            donors[-1].run_in_background(await_ready=False)
+            donors[-1].state_sharing_priority = 1e12  # above any honest peer: it is asked first
+        for dht, donor, (name, _, _) in zip(nodes, donors, variants):
+            donor.wait_until_ready(timeout=60)
+            say(f"donor of {name} ready as {dht.peer_id.to_base58()}")
+        say("donors ready")
         stop.wait()
     finally:
-        donor.shutdown()
-        dht.shutdown()
+        for donor in donors:
+            donor.shutdown()
+        for dht in nodes:
+            dht.shutdown()
 
 
 # ----- poisoned donor -----------------------------------------------------------------------------
@@ -269,9 +282,9 @@ def serve_poisoned_state(args, stop: threading.Event) -> None:
     sha = tensors_sha256(state)
     dht, signer = start_dht(args.initial_peers)
     claimed_step = multiprocessing.Value("q", 0)  # the step its record claims now, read by the averager's process
-    variants = [("a well-formed poisoned state", dict(outer_step=0, sha256=sha, inner_steps=10), state)]
+    variant = ("a well-formed poisoned state", dict(outer_step=0, sha256=sha, inner_steps=10), state)
     donor = SwarmAverager([torch.zeros(1)], dht, prefix=averager_prefix(cfg.run.name, fingerprint), start=True,
-                          allow_state_sharing=True, declare_state_period=2.0, variants=variants,
+                          allow_state_sharing=True, declare_state_period=2.0, variant=variant,
                           claimed_step=claimed_step)
     donor.state_sharing_priority = 1e12  # above any honest peer: it is asked first
     say(f"poisoned donor ready as {dht.peer_id.to_base58()}, records signed as "

@@ -8,7 +8,6 @@ honest process may exit, and the offence must be logged with the offender's peer
 
 import json
 import re
-import signal
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import pytest
 from p2p_diloco.metrics import read_metrics
 from tests.hostile import GROUPMATE_VARIANTS, STATE_VARIANTS
 from tests.swarm_helpers import (
-    assert_consistent, events, last_step, outer_steps, peer_id_of, proc, start_peer, swarm, wait_for_steps, wait_until,
+    assert_consistent, events, last_step, outer_steps, peer_id_of, start_peer, swarm, wait_for_steps, wait_until,
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(480)]
@@ -69,50 +68,46 @@ def test_malformed_forged_and_lying_records_are_ignored(processes, tmp_path):
 
 
 def test_malformed_and_poisoned_states_from_a_donor_are_refused(processes, tmp_path):
-    """One swarm for two donors: one serves malformed states, the other a well-formed poisoned state it
-    claims one step ahead of the swarm (p2p_diloco/train/state_check.py)."""
+    """One swarm for eight hostile donors: seven serve one malformed or unvouched state each, the eighth a
+    well-formed poisoned state it claims one step ahead of the swarm (p2p_diloco/train/state_check.py)."""
     maddr, config, metrics = swarm(processes, tmp_path, 2)
-    wait_for_steps(metrics, 2)
+    # the seven start with the swarm (they claim no outer step: a peer only asks them when it loads the state)
     hostile = start_hostile(processes, "donor", config, maddr)
+    wait_for_steps(metrics, 2)
     start_hostile(processes, "poisoned-donor", config, maddr)
-    wait_until(lambda: printed(processes, "hostile-donor", r"donor ready as (\w+)"), 120, "the hostile donor")
-    (donor,) = printed(processes, "hostile-donor", r"donor ready as (\w+)")
+    wait_until(lambda: printed(processes, "hostile-donor", r"(donors ready)"), 120, "the hostile donors")
+    donors = dict(printed(processes, "hostile-donor", r"donor of (.+) ready as (\w+)"))  # state -> its donor
+    assert sorted(donors) == sorted(STATE_VARIANTS)
     pattern = r"poisoned donor ready as (\w+), records signed as (\w+), poisoned state (\w+)"
     wait_until(lambda: printed(processes, "hostile-poisoned-donor", pattern), 120, "the poisoned donor")
     ((poisoner, claimant, poisoned),) = printed(processes, "hostile-poisoned-donor", pattern)
     honest = {peer_id_of(m) for m in metrics}
-    served = lambda: dict(re.findall(r"served (.+) to (\w+)", processes.log("hostile-donor")))  # noqa: E731
-    # the donor claims the highest priority: each joiner is served the next malformed state first. One joiner
-    # at a time takes part in the swarm; the next one starts (imports, builds its model) once this one has
-    # loaded the state, while this one takes an outer step and leaves.
-    joiners, budget = [], len(STATE_VARIANTS) + 3
-    joiner = start_peer(processes, "joiner0", config, maddr)
-    while joiner is not None:
-        index = len(joiners)
-        wait_until(lambda: events(joiner, "state_loaded"), 120, f"joiner {index} to load the state")
+
+    def refusals() -> dict[str, str]:
+        """Why a peer refused each hostile donor's state, by the state's name (an honest peer may have
+        downloaded one too)."""
+        found = {}
+        for path in [*metrics, *joiners]:
+            for record in read_metrics(path):
+                if record["event"] in ("state_loaded", "state_load_failed", "state_refused"):
+                    found.update((name, record["failed_donors"][donor]) for name, donor in donors.items()
+                                 if donor in record.get("failed_donors", {}))
+        return found
+
+    # the donors claim the highest priority: a joiner's download is offered each of their states before an
+    # honest peer's, and goes on past each. A second joiner only if a donor was not on the first's list yet.
+    joiners = []
+    while set(refusals()) != set(STATE_VARIANTS) and len(joiners) < 2:
+        joiners.append(joiner := start_peer(processes, f"joiner{len(joiners)}", config, maddr))
+        wait_until(lambda: events(joiner, "state_loaded"), 120, f"joiner {len(joiners) - 1} to load the state")
         loaded = events(joiner, "state_loaded")[0]
         assert loaded["donor"] in honest, loaded  # an honest peer's state: the swarm's, or the joiner's before it
         honest.add(loaded["peer_id"])
-        following = None if set(served()) >= set(STATE_VARIANTS) or index + 1 == budget else \
-            start_peer(processes, f"joiner{index + 1}", config, maddr)
-        wait_until(lambda: len(outer_steps(joiner)) >= 1, 120, f"an outer step of joiner {index}")
-        joiners.append(joiner)
-        process = proc(processes, f"joiner{index}")
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(20) == 0
-        joiner = following
-    # why each peer that was served a variant refused it (an honest peer may have downloaded one too)
-    refusals = {}
-    for path in [*metrics, *joiners]:
-        for record in read_metrics(path):
-            if record["event"] in ("state_loaded", "state_load_failed", "state_refused") \
-                    and donor in record.get("failed_donors", {}):
-                refusals[record["peer_id"]] = record["failed_donors"][donor]
-    reasons = {name: refusals.get(peer) for name, peer in served().items()}
+    reasons = refusals()
     assert set(reasons) == set(STATE_VARIANTS), reasons
     *malformed, (unvouched, reason) = [(name, reasons[name]) for name in STATE_VARIANTS]
-    assert all(r is not None and r.startswith("malformed") for _, r in malformed), reasons
-    assert reason is not None and reason.startswith("other state"), (unvouched, reason)
+    assert all(r.startswith("malformed") for _, r in malformed), reasons
+    assert reason.startswith("other state"), (unvouched, reason)
     assert hostile.poll() is None
     # each honest peer downloaded the poisoned state one step ahead, found it is no outer step from its
     # own, and refused it; no peer, joiners included, ever held it
@@ -122,8 +117,7 @@ def test_malformed_and_poisoned_states_from_a_donor_are_refused(processes, tmp_p
     for record in refused().values():
         assert record["target_sha256"] == poisoned and record["claimed_by"] == [claimant], record
         assert "is not θ − η·(g + μ·b')" in record["reason"] or "fails the update check" in record["reason"], record
-    keeps_stepping(processes, metrics, steps=2)
-    assert_consistent([*metrics, *joiners])
+    keeps_stepping(processes, [*metrics, *joiners], steps=2)
     for path in [*metrics, *joiners]:
         assert poisoned not in {r.get("global_sha256") for r in read_metrics(path)}, f"{path.name} took the poison"
 
