@@ -24,16 +24,24 @@ from tests.swarm_helpers import (
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
 
-def test_kill_during_inner_steps(processes, tmp_path):
-    # records and the wait for groupmates last 10 minutes: only noticing that the dead peer does not
-    # answer on the network lets the survivors go on without it
+def test_a_slow_peer_contributes_what_it_managed_and_killed_in_its_inner_steps_costs_only_itself(processes, tmp_path):
+    # peer2 sleeps 0.3 s per inner step: several times slower than the others, it spends most of every round
+    # in inner steps, where the kill lands. Records and the wait for groupmates last 10 minutes: only noticing
+    # that the dead peer does not answer on the network lets the survivors go on without it
     _, _, metrics = swarm(processes, tmp_path, 3, {2: "inner_step_delay=0.3"},
                           swarm={"round_wait_timeout": 600.0, "progress_ttl": 600.0})
-    wait_for_steps(metrics, 2)
+    wait_for_steps(metrics, 4)
+    assert_consistent(metrics)
+    slow = [r for r in outer_steps(metrics[2]) if r["group_size"] == 3]
+    fast = [r for r in outer_steps(metrics[0]) if r["group_size"] == 3]
+    assert slow and fast
+    # each round closed when the fast peers were done: the slow one took part with fewer samples
+    assert sum(r["samples"] for r in slow) / len(slow) < sum(r["samples"] for r in fast) / len(fast)
+
     victim_at = last_step(metrics[2])
     victim = proc(processes, "peer2")
     orphans = descendants(victim.pid)
-    processes.kill(victim, children=False)  # it spends ~3 s of every round in inner steps
+    processes.kill(victim, children=False)
     survivors = metrics[:2]
     wait_for_steps(survivors, victim_at + 3)
     assert_consistent(metrics)
@@ -124,20 +132,8 @@ def test_kill_while_serving_state(processes, tmp_path):
     assert_consistent([survivor, late])
 
 
-def test_slow_peer_contributes_what_it_managed(processes, tmp_path):
-    # peer2 sleeps 0.3 s per inner step: several times slower than the others
-    _, _, metrics = swarm(processes, tmp_path, 3, {2: "inner_step_delay=0.3"})
-    wait_for_steps(metrics, 5)
-    assert_consistent(metrics)
-    slow = [r for r in outer_steps(metrics[2]) if r["group_size"] == 3]
-    fast = [r for r in outer_steps(metrics[0]) if r["group_size"] == 3]
-    assert slow and fast
-    # the round closed when the fast peers were done: the slow one took part with fewer samples
-    assert sum(r["samples"] for r in slow) / len(slow) < sum(r["samples"] for r in fast) / len(fast)
-
-
-def test_clean_leave_on_sigterm(processes, tmp_path):
-    _, _, metrics = swarm(processes, tmp_path, 3)
+def test_a_peer_leaves_on_sigterm_the_bootstrap_node_dies_and_a_newcomer_joins_through_a_peer(processes, tmp_path):
+    maddr, config, metrics = swarm(processes, tmp_path, 3)
     wait_for_steps(metrics, 2)
     leaver = proc(processes, "peer2")
     children = descendants(leaver.pid)
@@ -151,6 +147,17 @@ def test_clean_leave_on_sigterm(processes, tmp_path):
     wait_for_steps(metrics[:2], at_leave + 2)
     assert outer_steps(metrics[0])[-1]["group_size"] == 2
     assert_consistent(metrics)
+
+    # the two that stayed go on without the bootstrap node, and a newcomer joins through one of them
+    processes.kill(proc(processes, "bootstrap"))
+    at_kill = max(last_step(m) for m in metrics[:2])
+    wait_for_steps(metrics[:2], at_kill + 2)
+    peer_maddr = next(line.split("peer reachable at ")[1].strip()
+                      for line in processes.log("peer0").splitlines() if "peer reachable at " in line)
+    late = start_peer(processes, "late", config, peer_maddr)
+    wait_until(lambda: len(outer_steps(late)) >= 2, 240, "two outer steps of the new peer")
+    assert "state_loaded" in [r["event"] for r in read_metrics(late)]
+    assert_consistent([*metrics, late])
 
 
 def started(processes, name: str, config, maddr: str):
@@ -229,20 +236,6 @@ def test_restart_from_checkpoint(processes, tmp_path):
     resumed_at = len(outer_steps(restarted))
     wait_until(lambda: len(outer_steps(restarted)) >= resumed_at + 2, 240, "two outer steps after the restart")
     assert_consistent([*metrics, restarted])
-
-
-def test_bootstrap_killed_then_new_peer_joins_through_a_peer(processes, tmp_path):
-    _, config, metrics = swarm(processes, tmp_path, 2)
-    wait_for_steps(metrics, 2)
-    processes.kill(proc(processes, "bootstrap"))
-    at_kill = max(last_step(m) for m in metrics)
-    wait_for_steps(metrics, at_kill + 2)
-    peer_maddr = next(line.split("peer reachable at ")[1].strip()
-                      for line in processes.log("peer0").splitlines() if "peer reachable at " in line)
-    late = start_peer(processes, "late", config, peer_maddr)
-    wait_until(lambda: len(outer_steps(late)) >= 2, 240, "two outer steps of the new peer")
-    assert "state_loaded" in [r["event"] for r in read_metrics(late)]
-    assert_consistent([*metrics, late])
 
 
 SIGNALLED = """
