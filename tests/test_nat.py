@@ -58,14 +58,6 @@ def wait_for_exit(processes, names, timeout_s=300):
     assert [p.returncode for p in procs] == [0] * len(procs), [processes.log(name)[-2000:] for name in names]
 
 
-def test_one_public_peer_reduces_for_two_natted_peers(processes, tmp_path, topology):
-    _, _, peers = start_swarm(processes, tmp_path, topology, public=1, homes=2, steps=4)
-    wait_for_exit(processes, list(peers))
-    assert [reachability(m) for _, m in peers.values()] == ["direct", "unreachable", "unreachable"]
-    assert "averaging as a client" in processes.log("home0")
-    assert_everyone_in_every_step(peers, range(1, 5), group_size=3)
-
-
 def test_the_bootstrap_node_reduces_when_every_peer_is_natted(processes, tmp_path, topology):
     _, _, peers = start_swarm(processes, tmp_path, topology, public=0, homes=3, steps=4)
     wait_for_exit(processes, list(peers))
@@ -90,16 +82,19 @@ def test_natted_peer_killed_mid_allreduce(processes, tmp_path, topology):
         assert after and all(r["group_size"] == 3 for r in after), (name, after)
 
 
-def test_natted_joiner_loads_the_state_and_trains(processes, tmp_path, topology):
+def test_a_natted_joiner_loads_the_state_and_one_public_peer_reduces_for_two_natted_peers(processes, tmp_path,
+                                                                                           topology):
+    """A public peer and a NATed one train; a second NATed peer joins, loads the state from the public peer
+    (the only peer anyone can dial), and the three average, the public peer reducing for the other two."""
     maddr, config, peers = start_swarm(processes, tmp_path, topology, public=1, homes=1)
     wait_for_steps([m for _, m in peers.values()], 2)
-    joiner = topology.add_home("late")
-    late = start_peer(processes, "late", config, maddr, host=joiner)
+    late = start_peer(processes, "late", config, maddr, host=topology.add_home("late"))
     wait_until(lambda: len(outer_steps(late)) >= 2, 240, "two outer steps of the joiner")
-    events = read_metrics(late)
-    assert next(r for r in events if r["event"] == "reachability")["reachability"] == "unreachable"
-    loaded = next(r for r in events if r["event"] == "state_loaded")
-    assert loaded["donor"] == read_metrics(peers["public0"][1])[0]["peer_id"]  # the only peer anyone can dial
+    assert [reachability(m) for m in (peers["public0"][1], peers["home0"][1], late)] == \
+        ["direct", "unreachable", "unreachable"]
+    assert "averaging as a client" in processes.log("home0") and "averaging as a client" in processes.log("late")
+    loaded = next(r for r in read_metrics(late) if r["event"] == "state_loaded")
+    assert loaded["donor"] == read_metrics(peers["public0"][1])[0]["peer_id"]
     assert all(r["group_size"] == 3 for r in outer_steps(late)), outer_steps(late)
     assert_consistent([*(m for _, m in peers.values()), late])
 
