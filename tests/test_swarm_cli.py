@@ -46,30 +46,7 @@ def test_three_peers_agree_after_every_outer_step_and_loss_falls(processes, tmp_
     assert max(losses_at[6]) < min(losses_at[1]) - 0.1, losses_at
 
 
-def test_late_joiner_loads_the_state_and_then_agrees(processes, tmp_path):
-    config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10})
-    maddr = start_bootstrap(processes)
-    early = [start_peer(processes, f"peer{i}", config, maddr) for i in range(2)]
-    wait_until(lambda: all(len(outer_steps(m)) >= 2 for m in early), 240, "two outer steps of the first peers")
-
-    late = start_peer(processes, "late", config, maddr)
-    wait_until(lambda: len(outer_steps(late)) >= 2, 240, "two outer steps of the late joiner")
-
-    from p2p_diloco.metrics import read_metrics
-    events = [r["event"] for r in read_metrics(late)]
-    assert events[:2] == ["reachability", "join"] and "state_loaded" in events
-    loaded = next(r for r in read_metrics(late) if r["event"] == "state_loaded")
-    assert loaded["outer_step"] >= 2
-    by_step = hashes_by_step([*early, late])
-    for record in outer_steps(late):
-        assert by_step[record["outer_step"]] == {record["global_sha256"]}, f"late joiner differs at {record}"
-
-
-def test_peers_with_other_settings_never_average_together(processes, tmp_path):
-    # the same model and sizes, but a tokenizer trained on another corpus (a different pydoc_data, as
-    # another Python version ships, gives the same effect): the parameters mean different things. Two
-    # peers on each settings, each waiting for its twin: each finds a peer of its own settings in the
-    # run, so none stops at start-up (test_join_status covers a peer that finds only others)
+def test_peers_with_other_settings_never_average_together_and_a_late_joiner_loads_its_runs_state(processes, tmp_path):
     first = tiny_config_file(tmp_path / "a", inner={"steps_per_outer": 10})
     second = tiny_config_file(tmp_path / "b", inner={"steps_per_outer": 10}, data={"max_documents": 30})
     maddr = start_bootstrap(processes)
@@ -77,12 +54,25 @@ def test_peers_with_other_settings_never_average_together(processes, tmp_path):
                       for i in range(2)] for config in (first, second)}
     metrics = [m for pair in pairs.values() for m in pair]
     wait_until(lambda: all(len(outer_steps(m)) >= 3 for m in metrics), 300, "three outer steps of each peer")
-    hashes = {config: set().union(*hashes_by_step(pair).values()) for config, pair in pairs.items()}
-    assert not hashes[first] & hashes[second]  # no θ_global of one pair is ever the other's
     for pair in pairs.values():
         assert all(r["group_size"] <= 2 for m in pair for r in outer_steps(m))
         assert any(r["group_size"] == 2 for m in pair for r in outer_steps(m))  # the twins did average
-        twins = {peer_id_of(m) for m in pair}
-        assert all(r["donor"] in twins for m in pair for r in read_metrics(m) if r["event"] == "state_loaded")
     for name in ("a0", "a1", "b0", "b1"):
         assert "ignoring the progress of a peer with other run settings" in processes.log(name)
+
+    # a peer of the first run's settings joins late: it loads the state of its own run, and agrees with it
+    late = start_peer(processes, "a-late", first, maddr)
+    wait_until(lambda: len(outer_steps(late)) >= 2, 240, "two outer steps of the late joiner")
+    events = [r["event"] for r in read_metrics(late)]
+    assert events[:2] == ["reachability", "join"] and "state_loaded" in events
+    loaded = next(r for r in read_metrics(late) if r["event"] == "state_loaded")
+    assert loaded["outer_step"] >= 2
+    by_step = hashes_by_step([*pairs[first], late])
+    for record in outer_steps(late):
+        assert by_step[record["outer_step"]] == {record["global_sha256"]}, f"late joiner differs at {record}"
+    pairs[first].append(late)
+    hashes = {config: set().union(*hashes_by_step(pair).values()) for config, pair in pairs.items()}
+    assert not hashes[first] & hashes[second]  # no θ_global of one run is ever the other's
+    for pair in pairs.values():  # each downloaded state came from a peer of its own run
+        twins = {peer_id_of(m) for m in pair}
+        assert all(r["donor"] in twins for m in pair for r in read_metrics(m) if r["event"] == "state_loaded")
