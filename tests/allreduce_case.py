@@ -24,8 +24,7 @@ RUN, per round each peer's mean (or the error it raised), group size and samples
 what the group counted of it; each peer's final residual; the bytes each averager sent and received;
 each peer's ID, the digests of what travelled in its agreed rounds (:mod:`p2p_diloco.sync.audit`) and
 the peers it bans at the end, "children": every process the case started}``. It prints the runs', less
-their tensors, as one JSON line. With ``"hostile_reducer": ATTACK`` in the case (or ``CODEC:ATTACK``,
-for one run), peer 0 is a hostile reducer: its averager process forks under tests/hostile_peer.py's
+their tensors, as one JSON line. In a run ``CODEC:ATTACK``, peer 0 is a hostile reducer: its averager process forks under tests/hostile_peer.py's
 patch for ATTACK (``garbage-reducer``, ``equivocating-reducer`` or ``tampering-relay``), its groupmates' without it.
 
 The test asserts on the result; this process only averages. Each case runs here rather than in the
@@ -81,10 +80,8 @@ def hostile_reducer(attack: Optional[str]):
             setattr(ExactAllReduceRunner, name, method)
 
 
-def average_rounds(runs: list[str], rounds: list[dict], samples: list[int], error_feedback: bool = False,
-                   hostile: Optional[str] = None) -> dict:
-    """The case's rounds once per run of `runs` (a codec, or CODEC:ATTACK: peer 0 a hostile reducer, else as
-    `hostile` says), among the same DHT nodes (one per peer): each run's averagers are started, average every
+def average_rounds(runs: list[str], rounds: list[dict], samples: list[int], error_feedback: bool = False) -> dict:
+    """The case's rounds once per run of `runs` (a codec, or CODEC:ATTACK: peer 0 a hostile reducer), among the same DHT nodes (one per peer): each run's averagers are started, average every
     round and are shut down before the next run's, so that a case of several runs pays for the nodes' start
     once. The result of each run by run, and every process the case started."""
     peers = len(samples)
@@ -96,7 +93,7 @@ def average_rounds(runs: list[str], rounds: list[dict], samples: list[int], erro
         node_pids = set(process_tree.descendant_pids(os.getpid()))  # the DHT processes and their p2pd
         for run in runs:
             codec, _, attack = run.partition(":")
-            results[run] = average_in(codec, nodes, rounds, samples, error_feedback, attack or hostile, node_pids,
+            results[run] = average_in(codec, nodes, rounds, samples, error_feedback, attack or None, node_pids,
                                       children)
     finally:
         # the DHT processes and p2pd, torch's shared-memory manager (the runs' averagers are stopped already)
@@ -248,8 +245,7 @@ def main() -> None:
     # killed (on timeout), this process takes its DHT, averager and p2pd processes with it
     process_tree.children_exit_with_this_process()
     case = torch.load(case_dir / "inputs.pt")
-    results = average_rounds(runs, case["rounds"], case["samples"], case.get("error_feedback", False),
-                             case.get("hostile_reducer"))
+    results = average_rounds(runs, case["rounds"], case["samples"], case.get("error_feedback", False))
     torch.save(results, case_dir / "result.pt")
     print(json.dumps({run: summary(result) for run, result in results["runs"].items()}), flush=True)
 

@@ -253,11 +253,11 @@ def serve_states(args, stop: threading.Event) -> None:
         for dht in nodes:
             dht.wait_until_ready(timeout=60)
         for dht, variant in zip(nodes, variants):
-            donors.append(SwarmAverager([torch.zeros(1)], dht, prefix=averager_prefix(cfg.run.name, fingerprint),
-                                        start=False, allow_state_sharing=True, declare_state_period=2.0,
-                                        variant=variant))
-            donors[-1].run_in_background(await_ready=False)
-            donors[-1].state_sharing_priority = 1e12  # above any honest peer: it is asked first
+            donor = SwarmAverager([torch.zeros(1)], dht, prefix=averager_prefix(cfg.run.name, fingerprint),
+                                  start=False, allow_state_sharing=True, declare_state_period=2.0, variant=variant)
+            donors.append(donor)
+            donor.run_in_background(await_ready=False)
+            donor.state_sharing_priority = 1e12  # above any honest peer: it is asked first
         for dht, donor, (name, _, _) in zip(nodes, donors, variants):
             donor.wait_until_ready(timeout=60)
             say(f"donor of {name} ready as {dht.peer_id.to_base58()}")

@@ -244,8 +244,7 @@ def test_a_relay_that_changes_what_it_forwards_voids_the_round_and_frames_nobody
     shapes = [torch.Size([1000])] * 8  # one part each, two for every reducer
     inputs = [[torch.randn(s, generator=generator) * 1e-2 for s in shapes] for _ in range(4)]
     round_ = {"inputs": inputs, "starts": [START] * 4, "leaders": [1, 2, 3], "relay_group": 2}
-    result = run_case(CODEC, {"rounds": [round_], "samples": [16, 48, 160, 32], "hostile_reducer": "tampering-relay"},
-                      tmp_path)
+    result = run_case(f"{CODEC}:tampering-relay", {"rounds": [round_], "samples": [16, 48, 160, 32]}, tmp_path)
     errors = result["rounds"][0]["errors"]
     assert all(e is not None and "round void" in e for e in errors), errors
     assert any("or its relay changed them" in e for e in errors), errors
