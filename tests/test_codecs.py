@@ -336,13 +336,23 @@ def test_decode_gives_the_wire_formats_bits(codec_name):
     assert _sha256(decoded.numpy().astype("<f4").tobytes()) == DECODED_SHA256[codec_name]
 
 
-def test_e3m0_encode_gives_the_wire_formats_bytes():
-    """E3M0's encode is reproducible (IEEE division and comparisons): the same bytes as its first implementation."""
+ENCODED_SHA256 = {  # of the bytes each codec encodes from the part below (the implementations of 2026-11-25)
+    "int8": "db8bcfc45b15fd57bb8a4238ce76d419f362496d911a0f7b4840eeed57d1991c",
+    "nf4": "349c4233b005ebe4d1071edcaa3818dd008fd007a39ba64b770e3fd732b3b4d9",
+    "fp4-bnb": "3d57568ddc9dc3e4e795fc17ff9540309076daf1729041214a983a5c4bc620b9",
+    "fp4-e3m0": "4118a7494aaa7f1f543da0bc51b4a21816b09b2af77453bdec880a919ae74a70",
+}
+
+
+@pytest.mark.parametrize("codec_name", BLOCK_CODECS)
+def test_encode_gives_the_wire_formats_bytes(codec_name):
+    """Every block codec's encode is IEEE arithmetic (a division or a reciprocal and a multiply, exact
+    comparisons, table lookups), so a faster encode must give the same bytes as the first implementation
+    of this pure-torch form: values across 22 binades, both signs, an odd length and a block of zeros."""
     part = torch.tensor([((i * 7919) % 2001 - 1000) * 2.0 ** -(i % 23) / 1000 for i in range(NUMEL)],
                         dtype=torch.float32)
     part[64:128] = 0  # a block of zeros: scale 0
-    assert _sha256(get_codec("fp4-e3m0").encode(part)) == \
-        "4118a7494aaa7f1f543da0bc51b4a21816b09b2af77453bdec880a919ae74a70"
+    assert _sha256(get_codec(codec_name).encode(part)) == ENCODED_SHA256[codec_name]
 
 
 _E3M0_LEVELS = [0.0] + [2.0**-k for k in range(6, -1, -1)]  # 0, 2^-6, ..., 1
@@ -366,7 +376,8 @@ def test_e3m0_exponent_codes_are_bucketize_on_the_midpoints():
 @pytest.mark.parametrize("quant_type", ["dynamic", "nf4", "fp4"])
 def test_nearest_codes_are_bucketize_on_the_midpoints(quant_type):
     """The table lookup of the int8 and 4-bit codecs' encode against a binary search on the map's
-    midpoints: every midpoint and its float32 neighbours, values across [-1, 1] and near 0, the edges."""
+    midpoints: every midpoint and its float32 neighbours, values across [-1, 1] and near 0, the edges, and
+    the edges' outer neighbours (a value times its block's reciprocal absolute maximum may round past them)."""
     from p2p_diloco.sync.codecs import _bnb_map, _nearest_codes
 
     code = _bnb_map(quant_type)
@@ -377,5 +388,6 @@ def test_nearest_codes_are_bucketize_on_the_midpoints(quant_type):
         midpoints, torch.nextafter(midpoints, torch.full_like(midpoints, 2.0)),
         torch.nextafter(midpoints, torch.full_like(midpoints, -2.0)), torch.rand(300_000, generator=g) * 2 - 1,
         (torch.rand(100_000, generator=g) * 2 - 1) * 1e-3, torch.tensor([-1.0, 1.0, 0.0, -0.0, 1e-30, -1e-30, 1e-45]),
+        torch.nextafter(torch.tensor([-1.0, 1.0]), torch.tensor([-2.0, 2.0])), torch.tensor([-1.0 - 2**-20, 1.0 + 2**-20]),
     ])
     assert torch.equal(_nearest_codes(scaled.clone(), quant_type).long(), order[torch.bucketize(scaled, midpoints)])

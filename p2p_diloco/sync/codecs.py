@@ -283,11 +283,14 @@ def _scaled_lookup(table: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
 
 def _pack_nibbles(codes: torch.Tensor) -> bytes:
     """4-bit `codes` (an integer tensor) two per byte, the first in the high nibble; an odd count pads with
-    code 0."""
+    code 0. The pairs are read as 16-bit words w = first + 256·second (little-endian, as on every platform
+    torch ships for), so that one shift each way gives the byte: ``(w << 4 | w >> 8) & 0xFF``, the mask
+    being the cast to uint8 (a strided multiply-add per pair was 4× slower)."""
+    codes = codes.to(torch.uint8)
     if codes.numel() % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
-    pairs = codes.view(-1, 2)
-    return pairs[:, 0].mul(16).add_(pairs[:, 1]).to(torch.uint8).numpy().tobytes()
+    words = codes.view(torch.int16)
+    return (words << 4).bitwise_or_(words >> 8).to(torch.uint8).numpy().tobytes()
 
 
 def _decode_nibbles(codec: str, table: torch.Tensor, data: bytes, numel: int, blocksize: int) -> torch.Tensor:
@@ -383,8 +386,7 @@ class BlockwiseInt8Codec(Codec):
 
     def _encode(self, part: torch.Tensor) -> bytes:
         scaled, absmax = _scaled_blocks(part, self.blocksize)
-        codes = _nearest_codes(scaled, "dynamic").to(torch.uint8)
-        return codes.numpy().tobytes() + absmax.numpy().astype("<f4").tobytes()
+        return _nearest_codes(scaled, "dynamic").numpy().tobytes() + absmax.numpy().astype("<f4").tobytes()
 
     def _decode(self, data: bytes, numel: int) -> torch.Tensor:
         codes = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=numel).copy())
@@ -397,10 +399,11 @@ _PREFIX_BITS = 16  # a float32 is looked up by its 16 high bits: sign, exponent 
 
 @functools.cache
 def _prefix_tables(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """What :func:`_nearest_codes` looks up, for each 16-bit prefix of a float32 in [−1, 1]: the code of
-    the prefix's smallest value under bitsandbytes' map `kind` (dynamic, nf4, fp4), with (bits 8 and up)
-    how much the code changes above the one midpoint between two map values that falls inside the
-    prefix's interval, and that midpoint (+inf if none).
+    """What :func:`_nearest_codes` looks up, for each 16-bit prefix p of a float32 in [−1, 1] (offset by
+    2^15 to count from 0): the one midpoint between two values of bitsandbytes' map `kind` (dynamic, nf4,
+    fp4) that falls inside the prefix's interval (+inf if none), and the codes (uint8) of the map values
+    nearest below and above it, at 2p and 2p + 1. A prefix beyond ±1 down to ±(1 + 2^-7) codes as ±1:
+    a value scaled by its block's reciprocal absolute maximum exceeds 1 by a rounding at most.
 
     Every interval of floats that share a prefix is narrower (2^-7 of its magnitude) than the gaps
     between these maps' midpoints (the dynamic map's are at least 1.06 % apart), so it holds at most one
@@ -417,34 +420,34 @@ def _prefix_tables(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     assert int((rank_high - rank_low).max()) <= 1, f"two {kind} midpoints under one float32 prefix"
     crossing = rank_high > rank_low
     inside = torch.where(crossing, midpoints[rank_low.clamp(max=len(midpoints) - 1)], torch.tensor(float("inf")))
-    step = (order[rank_high] - order[rank_low]).int()
-    return (order[rank_low].int() | step << 8), inside
+    below_and_above = torch.stack([order[rank_low], order[rank_high]], dim=1).view(-1).to(torch.uint8)
+    return below_and_above, inside
 
 
 def _nearest_codes(scaled: torch.Tensor, kind: str) -> torch.Tensor:
-    """The code of the nearest value of bitsandbytes' map `kind` to each `scaled` value in [−1, 1], ties to
-    the lower value: exactly ``order[torch.bucketize(scaled, midpoints)]`` (the tests compare them), from
-    two table lookups by the value's 16 high bits and one comparison with the midpoint in its interval,
-    done as the sign of a subtraction (int32 codes; a CPU compares floats into booleans several times
-    slower)."""
-    codes_and_steps, midpoints = _prefix_tables(kind)
+    """The code (uint8) of the nearest value of bitsandbytes' map `kind` to each `scaled` value in [−1, 1],
+    ties to the lower value: exactly ``order[torch.bucketize(scaled, midpoints)]`` (the tests compare
+    them), from two table lookups by the value's 16 high bits p: the midpoint in p's interval, and the
+    code at 2p + (1 if the value is above that midpoint), where "above" is the sign bit of
+    midpoint − value (+0 when equal), an integer shift (a CPU compares floats into booleans several
+    times slower). `scaled` is left as it was."""
+    below_and_above, midpoints = _prefix_tables(kind)
     prefix = scaled.view(torch.int32).bitwise_right_shift(32 - _PREFIX_BITS).add_(2 ** (_PREFIX_BITS - 1))
-    entry = torch.index_select(codes_and_steps, 0, prefix)
-    # 1 where scaled > the midpoint: midpoint − scaled is negative (its sign bit set; +0 when equal)
-    above = torch.index_select(midpoints, 0, prefix).sub_(scaled).view(torch.int32).bitwise_right_shift_(31).neg_()
-    return entry.bitwise_right_shift(8).mul_(above).add_(entry.bitwise_and_(255))
+    minus_above = torch.index_select(midpoints, 0, prefix).sub_(scaled).view(torch.int32).bitwise_right_shift_(31)
+    return torch.index_select(below_and_above, 0, prefix.bitwise_left_shift_(1).sub_(minus_above))
 
 
 def _scaled_blocks(part: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each value times the reciprocal of its block's absolute maximum (at least 1e-38), within [−1, 1], as
-    bitsandbytes scales a block before it quantizes it; and the blocks' absolute maxima."""
+    """Each value times the reciprocal of its block's absolute maximum (at least 1e-38), as bitsandbytes
+    scales a block before it quantizes it, within [−1, 1] but for a rounding (no clamp: the tables of
+    :func:`_nearest_codes` code ±(1 + 2^-23) as ±1); and the blocks' absolute maxima."""
     absmax = _block_absmax(part, blocksize)
     reciprocal = 1.0 / absmax.clamp(min=1e-38)
     scaled = torch.empty_like(part)
     for values, out, factor in zip(_blocks(part, blocksize), _blocks(scaled, blocksize),
                                    (reciprocal[: part.numel() // blocksize, None], reciprocal[-1])):
         torch.mul(values, factor, out=out)
-    return scaled.clamp_(-1.0, 1.0), absmax
+    return scaled, absmax
 
 
 @dataclass(frozen=True)
