@@ -39,6 +39,12 @@ not part of the all-reduce time. Per (B, codec) the table gives:
   512 KiB *after* the codec (131,072 fp32 values, 932,067 values in a 4-bit codec) and gives each
   part whole to one reducer, so with few parts per peer the reducers' shares are unequal and the
   busiest peer moves more than 2(N−1)/N · S_codec;
+- **CPU busy**: the CPU time that every peer's processes (the peer, its averager, its DHT and p2pd:
+  /proc/PID/stat) used from its start of the all-reduce to its end, summed over the peers, over the
+  all-reduce s: the cores busy on average, and of them the p2pd daemons' (libp2p's TLS, yamux and the
+  copies through its socket). Near the machine's core count, the all-reduce waits on
+  the CPU (coding, summing, hashing, TLS and yamux in p2pd), not on the link; the kernel's own
+  network work (veth, tbf) is not counted;
 - **round s**: median of (the last peer's return from `OuterSync.average`) − (the common start):
   matchmaking, the all-reduce, and the DHT round reports and the audit every peer goes through
   before it commits the mean (p2p_diloco/sync/commit.py, audit.py); **matchmaking s** is the median
@@ -119,7 +125,8 @@ def _barrier(sync_dir: Path, name: str, index: int, timeout_s: float) -> float:
 
 class _StepWatch:
     """Wraps the averager's `step` to catch its StepControl, and notes when this peer's all-reduce
-    began (stage RUNNING_ALLREDUCE: the group is formed) and when the step finished."""
+    began (stage RUNNING_ALLREDUCE: the group is formed) and when the step finished, and the CPU time
+    this peer's processes (this one, its averager, its DHT and p2pd) used in between."""
 
     POLL_S = 0.002
 
@@ -134,7 +141,11 @@ class _StepWatch:
         averager.step = step  # only this process calls it; the averager process is not touched
 
     def start(self) -> dict:
+        from p2p_diloco import process_tree
+
         self.control, marks, stop = None, {}, threading.Event()
+        pids = [os.getpid(), *process_tree.descendant_pids(os.getpid())]
+        daemons = [pid for pid in pids if process_tree.command_name(pid) == "p2pd"]
 
         def watch():
             while not stop.is_set():
@@ -143,8 +154,13 @@ class _StepWatch:
                     now = time.time()
                     if "began" not in marks and control.began_allreduce:
                         marks["began"] = now
+                        marks["cpu_began"] = process_tree.cpu_seconds(pids), process_tree.cpu_seconds(daemons)
                     if control.done():
                         marks["done"] = now
+                        if "cpu_began" in marks:
+                            every, p2pd = marks.pop("cpu_began")
+                            marks["cpu_s"] = process_tree.cpu_seconds(pids) - every
+                            marks["p2pd_cpu_s"] = process_tree.cpu_seconds(daemons) - p2pd
                         return
                 time.sleep(self.POLL_S)
 
@@ -226,6 +242,7 @@ def run_worker(args) -> None:
                 tx1, rx1 = _iface_bytes()
                 record = dict(peer=index, phase=p, mbit=phase["mbit"], codec=phase["codec"], round=r, start=start,
                               called=called, began=marks.get("began"), done=marks.get("done"), returned=returned,
+                              cpu_s=marks.get("cpu_s"), p2pd_cpu_s=marks.get("p2pd_cpu_s"),
                               group_size=group_size, error=error,
                               mean_sha256=tensors_sha256(mean) if mean is not None else None,
                               sent=sync.averager.traffic.sent - sent0,
@@ -345,13 +362,16 @@ def summarize(plan: dict, records: list[dict]) -> list[dict]:
                   and len({x["mean_sha256"] for x in got}) == 1 and all(x["began"] and x["done"] for x in got))
             if not ok:
                 continue
+            allreduce_s = max(x["done"] for x in got) - min(x["began"] for x in got)
             per_round.append(dict(
-                allreduce_s=max(x["done"] for x in got) - min(x["began"] for x in got),
+                allreduce_s=allreduce_s,
                 round_s=max(x["returned"] for x in got) - got[0]["start"],
                 matchmaking_s=min(x["began"] for x in got) - got[0]["start"],
                 payload=[x["sent"] + x["received"] for x in got],
                 split_limit_s=max(max(x["sent"], x["received"]) for x in got) / (phase["mbit"] * 1e6 / 8),
                 iface=[x["iface_tx"] + x["iface_rx"] for x in got],
+                cpu_cores=sum(x["cpu_s"] for x in got) / allreduce_s,
+                p2pd_cpu_cores=sum(x["p2pd_cpu_s"] for x in got) / allreduce_s,
             ))
         bpp = bytes_per_parameter(phase["codec"])
         s_codec = numel * bpp
@@ -369,7 +389,8 @@ def summarize(plan: dict, records: list[dict]) -> list[dict]:
             s_codec_bytes=s_codec, limit_s=limit, allreduce_s=allreduce, round_s=median("round_s"),
             matchmaking_s=median("matchmaking_s"), commit_s=median("commit_s"),
             efficiency=limit / allreduce if allreduce else None,
-            split_limit_s=median("split_limit_s"),
+            split_limit_s=median("split_limit_s"), cpu_cores=median("cpu_cores"),
+            p2pd_cpu_cores=median("p2pd_cpu_cores"),
             allreduce_s_each_round=[x["allreduce_s"] for x in per_round],
             ideal_payload_bytes_per_peer=2 * 2 * (peers - 1) / peers * s_codec,
             payload_bytes_per_peer_mean=statistics.mean(payload) if payload else None,
@@ -391,12 +412,14 @@ def print_table(plan: dict, rows: list[dict]) -> None:
     print(f"\n{plan['peers']} peers, S = {plan['numel'] * 4 / 1e6:g} MB fp32 ({plan['numel']:,} parameters), "
           f"{plan['rounds']} rounds each, {'planned' if plan['planned'] else 'hivemind'} matchmaking; medians over "
           f"the rounds; MB = 10^6 bytes, sent + received per peer per round\n")
-    print("| Mbit/s | codec | S_codec MB | limit s | all-reduce s | efficiency | split limit s | round s | "
-          "matchmaking s | commit s | payload MB mean / peak (ideal) | eth0 MB mean / peak | rounds ok |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    print("| Mbit/s | codec | S_codec MB | limit s | all-reduce s | efficiency | split limit s | "
+          f"CPU busy (of {os.cpu_count()} cores), p2pd's | round s | matchmaking s | commit s | "
+          "payload MB mean / peak (ideal) | eth0 MB mean / peak | rounds ok |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
     for r in rows:
         print(f"| {r['mbit']:g} | {r['codec']} | {r['s_codec_bytes'] / 1e6:.2f} | {r['limit_s']:.2f} | "
               f"{num(r['allreduce_s'], '.2f')} | {num(r['efficiency'], '.2f')} | {num(r['split_limit_s'], '.2f')} | "
+              f"{num(r['cpu_cores'], '.2f')}, {num(r['p2pd_cpu_cores'], '.2f')} | "
               f"{num(r['round_s'], '.2f')} | {num(r['matchmaking_s'], '.2f')} | {num(r['commit_s'], '.2f')} | "
               f"{mb(r['payload_bytes_per_peer_mean'])} / {mb(r['payload_bytes_per_peer_peak'])} "
               f"({mb(r['ideal_payload_bytes_per_peer'])}) | "

@@ -54,6 +54,17 @@ def start_ticks(pid: int) -> int | None:
     return int(fields[19]) if fields is not None else None
 
 
+def cpu_seconds(pids) -> float:
+    """The CPU time (user and system, fields 14 and 15 of /proc/PID/stat) that the processes `pids` have
+    used so far, summed over them and all their threads; a process that is gone counts 0."""
+    ticks = 0
+    for pid in pids:
+        fields = _stat_fields(pid)
+        if fields is not None:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def command_name(pid: int) -> str:
     """The process's command name (at most 15 characters, as the kernel keeps it), or "" if it is gone."""
     try:
