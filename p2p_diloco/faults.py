@@ -11,6 +11,9 @@ widen the window of a phase so that a test can hit it reliably, or make a peer s
   sit mid all-reduce waiting on it; "fault injection: pausing mid all-reduce" is logged first;
 * ``allreduce_send_delay``: seconds this peer, as a sender, waits after it sent its first part to a
   reducer, in the same round (for a peer that reduces nothing: an unreachable client);
+* ``join_answer_delay``: seconds this peer, as a planned leader, holds its acceptance of a join request
+  before it answers (and holds its matchmaking lock meanwhile), as a member whose event loop stalls
+  sees a prompt answer;
 * ``serve_state_delay``: seconds a donor pauses after it sent the first part of its state to a
   joiner, so that a kill lands mid-transfer ("fault injection: pausing mid state transfer" is
   logged first).
@@ -24,7 +27,8 @@ import time
 
 logger = logging.getLogger(__name__)
 
-KNOWN = ("inner_step_delay", "allreduce_delay", "allreduce_send_delay", "allreduce_delay_round", "serve_state_delay")
+KNOWN = ("inner_step_delay", "allreduce_delay", "allreduce_send_delay", "allreduce_delay_round", "serve_state_delay",
+         "join_answer_delay")
 
 
 def _parse(spec: str) -> dict[str, float]:
@@ -51,6 +55,11 @@ def allreduce_pause_s(round_index: int, role: str = "reducer") -> float:
 def after_inner_step() -> None:
     if "inner_step_delay" in ACTIVE:
         time.sleep(ACTIVE["inner_step_delay"])
+
+
+def join_answer_pause_s() -> float:
+    """The pause a planned leader takes before it answers a join request it accepts, or 0."""
+    return ACTIVE.get("join_answer_delay", 0.0)
 
 
 def serve_state_pause_s() -> float:

@@ -49,15 +49,16 @@ def still_running(processes: list[list[int]], timeout_s: float) -> list[int]:
         time.sleep(0.1)
 
 
-def run_case(run: str, case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S) -> dict:
+def run_case(run: str, case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S, faults: str = "") -> dict:
     """All-reduce rounds among a few peers in a process of its own (tests/allreduce_case.py, which
     describes `case` and `run`: a codec, or CODEC:ATTACK): every case forks a DHT and an averager process per peer, and after several
     cases forked from the pytest process a DHT start-up hung (1 CI run in 6). That process, and every
-    process below it, is killed if it has not finished in time; whatever it started must be gone once it has."""
-    return run_cases([run], case, case_dir, timeout_s)[run]
+    process below it, is killed if it has not finished in time; whatever it started must be gone once it has.
+    `faults` are every peer's (P2P_DILOCO_FAULTS: p2p_diloco/faults.py)."""
+    return run_cases([run], case, case_dir, timeout_s, faults)[run]
 
 
-def run_cases(runs: list[str], case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S) -> dict:
+def run_cases(runs: list[str], case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S, faults: str = "") -> dict:
     """:func:`run_case` once per run of `runs` (a codec, or CODEC:ATTACK with peer 0 a hostile reducer), among
     the same DHT nodes: the result of each, by run."""
     spec = ",".join(runs)
@@ -66,7 +67,7 @@ def run_cases(runs: list[str], case: dict, case_dir, timeout_s: float = CASE_TIM
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tests.allreduce_case", spec, str(case_dir)],
                                 stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                env={**os.environ, "PYTHONPATH": str(REPO), "P2P_DILOCO_FAULTS": faults})
         try:
             stdout, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:

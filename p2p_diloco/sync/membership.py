@@ -55,6 +55,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
+from p2p_diloco import faults
 from p2p_diloco.swarm.progress import READY, PeerProgress
 from p2p_diloco.swarm.reachability import DIRECT
 from p2p_diloco.sync.group_screen import GroupMetadata, ScreenedMatchmaking, parse_gathered
@@ -138,6 +139,7 @@ class PlannedMatchmaking(ScreenedMatchmaking):
     the requester declared (the plan, not the expiration, decides who leads)."""
 
     def __init__(self, *args, **kwargs):
+        self.join_window_end: Optional[float] = None  # loop time: the end of the window to join the leader asked now
         super().__init__(*args, **kwargs)
         self.leading = False
         # (the token of a round, its planned members): set by the averager before the round's step
@@ -151,6 +153,27 @@ class PlannedMatchmaking(ScreenedMatchmaking):
     @property
     def window_s(self) -> float:
         return WINDOW_MATCHMAKING_TIMES * self.min_matchmaking_time
+
+    @property
+    def request_timeout(self) -> float:
+        """How long hivemind's follower waits for a leader's first answer to a join request: the configured
+        ``request_timeout``, but while this peer asks a planned leader, until the window to join it ends.
+
+        A follower that stops waiting closes its request, and the leader learns it only when it reads the
+        close; an answer it had sent meanwhile took the follower in. A member whose event loop stalled
+        past ``request_timeout`` (a loaded CPU) gave up on a leader that had taken it in, and the leader
+        began the round with it: the group waited for its parts until the all-reduce timed out, and the
+        member asked the leaders again in vain ("could not find a group": CI runs with
+        ``swarm.match_ahead`` on, and 1 of 255 benchmark rounds at 1000 Mbit/s with a profiler attached).
+        A planned leader answers or refuses at once, or is gone, so waiting out the window costs at most
+        what asking it again until then did."""
+        if self.join_window_end is None:
+            return self._request_timeout
+        return max(self._request_timeout, self.join_window_end - asyncio.get_event_loop().time())
+
+    @request_timeout.setter
+    def request_timeout(self, seconds: float) -> None:
+        self._request_timeout = seconds
 
     async def _request_join_potential_leaders(self, step: StepControl) -> GroupInfo:
         plan = self._plan()
@@ -174,14 +197,18 @@ class PlannedMatchmaking(ScreenedMatchmaking):
         windows, not the round."""
         loop = asyncio.get_event_loop()
         self.follow_until = get_dht_time() + window_end - loop.time() + 2 * self.window_s
-        while loop.time() < window_end and not self.assembled_group.done():
-            group = await self._request_join_group(leader)
-            if group is not None:
-                return group
-            if self.screen.refuses(leader):
-                return None
-            await asyncio.sleep(RETRY_S)
-        return self.assembled_group.result() if self.assembled_group.done() else None
+        self.join_window_end = window_end
+        try:
+            while loop.time() < window_end and not self.assembled_group.done():
+                group = await self._request_join_group(leader)
+                if group is not None:
+                    return group
+                if self.screen.refuses(leader):
+                    return None
+                await asyncio.sleep(RETRY_S)
+            return self.assembled_group.result() if self.assembled_group.done() else None
+        finally:
+            self.join_window_end = None
 
     async def _lead(self, plan: GroupMetadata) -> Optional[GroupInfo]:
         """Take members until every one the plan names has joined, or none has joined for a window (since
@@ -255,6 +282,22 @@ class PlannedMatchmaking(ScreenedMatchmaking):
                 return self.assembled_group.result()
             self.assembled_group.set_result(None)
         return None
+
+    def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext):
+        """hivemind's, unless a fault test pauses this leader's acceptances (:mod:`p2p_diloco.faults`)."""
+        if not faults.join_answer_pause_s():
+            return super().rpc_join_group(request, context)
+        return self._rpc_join_group_paused(super().rpc_join_group(request, context))
+
+    @staticmethod
+    async def _rpc_join_group_paused(answers):
+        try:
+            async for message in answers:
+                if message.code == averaging_pb2.ACCEPTED:
+                    await asyncio.sleep(faults.join_answer_pause_s())
+                yield message
+        finally:
+            await answers.aclose()
 
     def get_request_expiration_time(self) -> float:
         if self._plan() is not None and self.follow_until is not None:
