@@ -263,8 +263,8 @@ class SwarmConfig:
     commit_timeout: float = positive(15.0)
     # say "ready" a few inner steps before the pseudo-gradient is taken, so that the round's group forms while
     # they run (from this peer's step time and its last rounds' matching time: train/match_ahead.py); false
-    # (the default while a member of a formed group that never begins its all-reduce, seen in CI runs with
-    # it on, is not understood): only once it is taken
+    # (the default: CI runs with it on had a member of a formed group that never began its all-reduce; one
+    # cause is fixed in sync/membership.py, others are not ruled out): only once it is taken
     match_ahead: bool = boolean(False)
     # attempts at a step's round: after a void one (a member died mid-round) the survivors average again
     # without it, so a failure costs the failed peer, not the step (p2p_diloco.train.round_sync)
