@@ -128,8 +128,8 @@ def test_the_audit_recomputes_what_the_reducer_computed(codec_name, rule):
 
 def nudged(codec, result: torch.Tensor) -> bytes:
     """The encoding of `result` (a reducer's exact result) changed by the least a hostile reducer can change:
-    ``none``: one value one ulp up; ``fp4-e3m0``: the first block's float32 scale one ulp up (64 values,
-    each well within the codec's error bound of `result`)."""
+    ``none``: one value one ulp up; a block codec: the first block's float32 scale one ulp up (a block of
+    values, each well within the codec's error bound of `result`)."""
     data = bytearray(codec.encode(result))
     if codec.name == "none":
         values = np.frombuffer(data, "<f4").copy()
@@ -141,7 +141,7 @@ def nudged(codec, result: torch.Tensor) -> bytes:
     return bytes(data)
 
 
-@pytest.mark.parametrize("codec_name", ["none", "fp4-e3m0"])
+@pytest.mark.parametrize("codec_name", ["none", "int8", "nf4", "fp4-bnb", "fp4-e3m0"])
 def test_with_a_reproducible_encoding_the_audit_is_bit_exact(codec_name):
     """A reducer may not move a value even within the codec's error bound where every CPU encodes alike."""
     codec, numels, names, weights, inputs = reducer_case(codec_name)

@@ -217,11 +217,11 @@ NEGLIGIBLE = 2.0**-100  # far below any pseudo-gradient value a run applies; abo
 def off_values(codec: Codec, sent: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
     """Which values of a reducer's decoded part `sent` are not the codec's image of the recomputed `result`.
 
-    With a codec whose encoding is reproducible (``Codec.reproducible_encode``: ``none``, ``fp4-e3m0``)
-    every value must be the decoded value of the auditor's own encoding, except values both below
-    :data:`NEGLIGIBLE` (a CPU that flushes subnormals codes those differently). With the other codecs
-    (bitsandbytes' encoders, the two-byte floats, whose encoding may differ on another CPU) a value
-    must be within the codec's error bound of the result."""
+    With a codec whose encoding is reproducible (``Codec.reproducible_encode``: ``none`` and the block
+    codecs ``int8``, ``nf4``, ``fp4-bnb``, ``fp4-e3m0``) every value must be the decoded value of the
+    auditor's own encoding, except values both below :data:`NEGLIGIBLE` (a CPU that flushes subnormals
+    codes those differently). With the two-byte floats, whose encoding is not claimed reproducible, a
+    value must be within the codec's error bound of the result."""
     if codec.reproducible_encode:
         expected = codec.decode(codec.encode(result), result.numel())
         return (sent != expected) & ~((sent.abs() <= NEGLIGIBLE) & (expected.abs() <= NEGLIGIBLE))

@@ -31,7 +31,8 @@ of bitsandbytes are checked against a fingerprint, so a bitsandbytes release tha
 loudly instead of decoding differently. When the reducer of a part encodes the averaged part once
 and every peer, the reducer included, decodes the same bytes, every peer ends with a bit-identical
 θ_global. Encode need not be reproducible across machines (a CPU may flush subnormals when it
-converts to bf16); the bounds allow for that.
+converts to bf16); the bounds allow for that. The block codecs' encoders are IEEE arithmetic and table
+lookups too (``Codec.reproducible_encode``), so a reducer's audit compares their bytes, not bounds.
 
 **Nothing received is trusted** (:mod:`p2p_diloco.remote_input`): ``decode`` checks the length of
 the bytes against :meth:`Codec.encoded_size` before it reads them, rejects block scales that are
@@ -377,6 +378,7 @@ class BlockwiseInt8Codec(Codec):
     name: str = "int8"
     blocksize: int = 256
     fraction_of_absmax: float = 0.0075
+    reproducible_encode: bool = True  # block absmax, one division, one multiply, comparisons with constant midpoints
 
     def encoded_size(self, numel: int) -> int:
         return numel + 4 * -(-numel // self.blocksize)
@@ -479,6 +481,7 @@ class Bnb4BitCodec(Codec):
     quant_type: str = "nf4"
     blocksize: int = 64
     fraction_of_absmax: float = 0.1520
+    reproducible_encode: bool = True  # block absmax, one division, one multiply, comparisons with constant midpoints
 
     def encoded_size(self, numel: int) -> int:
         return -(-numel // 2) + 4 * -(-numel // self.blocksize)
