@@ -147,6 +147,9 @@ class _StepWatch:
         pids = [os.getpid(), *process_tree.descendant_pids(os.getpid())]
         daemons = [pid for pid in pids if process_tree.command_name(pid) == "p2pd"]
 
+        def cpu_now() -> tuple[float, float]:  # this peer's processes', and of them p2pd's
+            return process_tree.cpu_seconds(pids), process_tree.cpu_seconds(daemons)
+
         def watch():
             while not stop.is_set():
                 control = self.control
@@ -154,13 +157,12 @@ class _StepWatch:
                     now = time.time()
                     if "began" not in marks and control.began_allreduce:
                         marks["began"] = now
-                        marks["cpu_began"] = process_tree.cpu_seconds(pids), process_tree.cpu_seconds(daemons)
+                        marks["cpu_began"] = cpu_now()
                     if control.done():
                         marks["done"] = now
                         if "cpu_began" in marks:
-                            every, p2pd = marks.pop("cpu_began")
-                            marks["cpu_s"] = process_tree.cpu_seconds(pids) - every
-                            marks["p2pd_cpu_s"] = process_tree.cpu_seconds(daemons) - p2pd
+                            (every, p2pd), (every_began, p2pd_began) = cpu_now(), marks.pop("cpu_began")
+                            marks["cpu_s"], marks["p2pd_cpu_s"] = every - every_began, p2pd - p2pd_began
                         return
                 time.sleep(self.POLL_S)
 

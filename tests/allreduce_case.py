@@ -24,8 +24,9 @@ RUN, per round each peer's mean (or the error it raised), group size and samples
 what the group counted of it; each peer's final residual; the bytes each averager sent and received;
 each peer's ID, the digests of what travelled in its agreed rounds (:mod:`p2p_diloco.sync.audit`) and
 the peers it bans at the end, "children": every process the case started}``. It prints the runs', less
-their tensors, as one JSON line. In a run ``CODEC:ATTACK``, peer 0 is a hostile reducer: its averager process forks under tests/hostile_peer.py's
-patch for ATTACK (``garbage-reducer``, ``equivocating-reducer`` or ``tampering-relay``), its groupmates' without it.
+their tensors, as one JSON line. In a run ``CODEC:ATTACK``, peer 0 is a hostile reducer: its averager
+process forks under tests/hostile_peer.py's patch for ATTACK (``garbage-reducer``,
+``equivocating-reducer`` or ``tampering-relay``), its groupmates' without it.
 
 The test asserts on the result; this process only averages. Each case runs here rather than in the
 pytest process because every case forks a DHT and an averager process per peer, and after several
@@ -81,9 +82,10 @@ def hostile_reducer(attack: Optional[str]):
 
 
 def average_rounds(runs: list[str], rounds: list[dict], samples: list[int], error_feedback: bool = False) -> dict:
-    """The case's rounds once per run of `runs` (a codec, or CODEC:ATTACK: peer 0 a hostile reducer), among the same DHT nodes (one per peer): each run's averagers are started, average every
-    round and are shut down before the next run's, so that a case of several runs pays for the nodes' start
-    once. The result of each run by run, and every process the case started."""
+    """The case's rounds once per run of `runs` (a codec, or CODEC:ATTACK: peer 0 a hostile reducer), among
+    the same DHT nodes (one per peer): each run's averagers are started, average every round and are shut
+    down before the next run's, so that a case of several runs pays for the nodes' start once. The result
+    of each run by run, and every process the case started."""
     peers = len(samples)
     nodes, children, results = [], {}, {}
     try:

@@ -51,10 +51,10 @@ def still_running(processes: list[list[int]], timeout_s: float) -> list[int]:
 
 def run_case(run: str, case: dict, case_dir, timeout_s: float = CASE_TIMEOUT_S, faults: str = "") -> dict:
     """All-reduce rounds among a few peers in a process of its own (tests/allreduce_case.py, which
-    describes `case` and `run`: a codec, or CODEC:ATTACK): every case forks a DHT and an averager process per peer, and after several
-    cases forked from the pytest process a DHT start-up hung (1 CI run in 6). That process, and every
-    process below it, is killed if it has not finished in time; whatever it started must be gone once it has.
-    `faults` are every peer's (P2P_DILOCO_FAULTS: p2p_diloco/faults.py)."""
+    describes `case` and `run`: a codec, or CODEC:ATTACK): every case forks a DHT and an averager process
+    per peer, and after several cases forked from the pytest process a DHT start-up hung (1 CI run in 6).
+    That process, and every process below it, is killed if it has not finished in time; whatever it
+    started must be gone once it has. `faults` are every peer's (P2P_DILOCO_FAULTS: p2p_diloco/faults.py)."""
     return run_cases([run], case, case_dir, timeout_s, faults)[run]
 
 
