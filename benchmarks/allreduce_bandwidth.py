@@ -1,7 +1,7 @@
 """All-reduce time of S bytes among N peers on rate-limited links, per codec, against the physical limit.
 
-    sudo python benchmarks/allreduce_bandwidth.py          # ~4-5 min on 2 cores; needs root (network namespaces)
-    sudo python benchmarks/allreduce_bandwidth.py --mbit 100 --codecs none,fp4-e3m0 --rounds 2 --mbytes 4  # ~15 s
+    sudo python benchmarks/allreduce_bandwidth.py          # ~8 min on 2 cores (--no-tcp: ~5); needs root (network namespaces)
+    sudo python benchmarks/allreduce_bandwidth.py --mbit 100 --codecs none,fp4-e3m0 --rounds 2 --mbytes 4  # ~25 s
 
 N peer processes (--peers, default 3) each run in a network namespace of their own on one bridge
 (tests/netns.py), with their link shaped by `tc tbf` to B Mbit/s in each direction (--mbit, a list:
@@ -39,6 +39,13 @@ not part of the all-reduce time. Per (B, codec) the table gives:
   512 KiB *after* the codec (131,072 fp32 values, 932,067 values in a 4-bit codec) and gives each
   part whole to one reducer, so with few parts per peer the reducers' shares are unequal and the
   busiest peer moves more than 2(N−1)/N · S_codec;
+- **TCP all-to-all s** and **one TCP flow per link s** (unless --no-tcp): before each rate and codec's
+  rounds, as many rounds of plain sockets moving the same bytes on the same links from a common start
+  (benchmarks/tcp_ceiling.py): each peer sends 2(N−1)/N · S_codec split evenly to every other peer at
+  once (the butterfly's traffic), or all of it to the next peer (a ring's: one flow per link); the median
+  time to the last byte received, and in parentheses limit / that time. TCP/IP and Ethernet headers, the
+  ACKs and the flows' sharing of a link keep it under 1.0; **all-reduce of TCP all-to-all** is the TCP
+  all-to-all s / all-reduce s, the share of TCP's own ceiling that the all-reduce reaches;
 - **CPU busy**: the CPU time that every peer's processes (the peer, its averager, its DHT and p2pd:
   /proc/PID/stat) used from its start of the all-reduce to its end, summed over the peers, over the
   all-reduce s: the cores busy on average, and of them the p2pd daemons' (libp2p's TLS, yamux and the
@@ -75,9 +82,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks.tcp_ceiling import PATTERNS, PORT, Sink, probe  # noqa: E402
 
 RUN = "allreduce-bench"
 MATCHMAKING_TIME_S = 1.0
@@ -99,6 +109,19 @@ def allreduce_timeout(plan: dict, phase: dict) -> float:
 
 def phase_tag(index: int, phase: dict) -> str:
     return f"{index}-{phase['mbit']:g}-{phase['codec']}"
+
+
+def tcp_probes(plan: dict, index: int) -> list[tuple[str, str, int]]:
+    """Phase `index`'s TCP probes, in the order every peer runs them, before the phase's all-reduces:
+    (barrier name and tag, pattern, round)."""
+    if not plan["tcp"]:
+        return []
+    return [(f"{index}-tcp-{pattern}-{r}", pattern, r) for r in range(plan["rounds"]) for pattern in PATTERNS]
+
+
+def barrier_names(plan: dict, index: int) -> list[str]:
+    """Every start of phase `index`, in order: its TCP probes, then its all-reduce rounds."""
+    return [name for name, _, _ in tcp_probes(plan, index)] + [f"{index}-{r}" for r in range(plan["rounds"])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +208,7 @@ def run_worker(args) -> None:
     from p2p_diloco.config import SwarmConfig
     from p2p_diloco.hashing import tensors_sha256
     from p2p_diloco.swarm.node import start_run_node, visible_maddrs
-    from p2p_diloco.sync.codecs import CODECS
+    from p2p_diloco.sync.codecs import CODECS, bytes_per_parameter
     from p2p_diloco.sync.membership import MAX_LEADERS, Membership, leader_rank
     from p2p_diloco.sync.outer_sync import OuterSync, RoundFailed
 
@@ -201,6 +224,8 @@ def run_worker(args) -> None:
     if index == 0:
         print(" ".join(visible_maddrs(node.dht)), flush=True)
     (sync_dir / f"peer-id-{index}").write_text(node.dht.peer_id.to_base58())  # for the membership plans
+    (sync_dir / f"ip-{index}").write_text(args.ip)  # for the TCP probes
+    sink = Sink(args.ip)
 
     def membership(outer_step: int, global_sha256: str):
         """The round's plan, as every peer computes it (planned matchmaking), or None (hivemind's)."""
@@ -212,6 +237,14 @@ def run_worker(args) -> None:
     sync = None
     try:
         for p, phase in enumerate(plan["phases"]):
+            for name, pattern, r in tcp_probes(plan, p):
+                timeout = allreduce_timeout(plan, phase)
+                start = _barrier(sync_dir, name, index, STARTUP_TIMEOUT_S + 4 * timeout)
+                addresses = [((sync_dir / f"ip-{i}").read_text(), PORT) for i in range(plan["peers"])]  # all written now
+                result = probe(sink, pattern, index, addresses, numel * bytes_per_parameter(phase["codec"]), name,
+                               start, timeout)
+                with open(out / f"tcp{index}.jsonl", "a") as f:
+                    f.write(json.dumps(dict(peer=index, phase=p, round=r, **result)) + "\n")
             tag = phase_tag(p, phase)
             cfg = SwarmConfig(matchmaking_time=MATCHMAKING_TIME_S, request_timeout=REQUEST_TIMEOUT_S,
                               allreduce_timeout=allreduce_timeout(plan, phase), next_chunk_timeout=30.0,
@@ -257,6 +290,7 @@ def run_worker(args) -> None:
         _barrier(sync_dir, "end", index, 600.0)  # nobody leaves (peer 0 is the DHT's entry) before all are done
     finally:
         children = process_tree.descendant_pids(os.getpid())
+        sink.close()
         if sync is not None:
             sync.shutdown()
         node.dht.shutdown()
@@ -300,12 +334,18 @@ def _stop(procs) -> None:
                 kill_tree(pid)
 
 
-def run(args, plan: dict, out: Path) -> list[dict]:
+def _read_records(paths) -> list[dict]:
+    return [json.loads(line) for path in paths if path.exists() for line in path.read_text().splitlines()
+            if line.strip()]
+
+
+def run(args, plan: dict, out: Path) -> tuple[list[dict], list[dict]]:
+    """Every peer's all-reduce records and TCP probe records."""
     from tests.netns import Topology
 
     sync_dir = out / "barrier"
     sync_dir.mkdir(parents=True, exist_ok=True)
-    for path in [*sync_dir.iterdir(), *out.glob("peer*.jsonl")]:
+    for path in [*sync_dir.iterdir(), *out.glob("peer*.jsonl"), *out.glob("tcp*.jsonl")]:
         path.unlink()
     (out / "plan.json").write_text(json.dumps(plan, indent=2))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -327,8 +367,7 @@ def run(args, plan: dict, out: Path) -> list[dict]:
             shaped = None
             for p, phase in enumerate(plan["phases"]):
                 print(f"{phase['mbit']:g} Mbit/s, {phase['codec']}: {plan['rounds']} rounds", file=sys.stderr, flush=True)
-                for r in range(plan["rounds"]):
-                    name = f"{p}-{r}"
+                for name in barrier_names(plan, p):
                     timeout = STARTUP_TIMEOUT_S + 4 * allreduce_timeout(plan, phase) + COMMIT_TIMEOUT_S
                     _wait_ready(sync_dir, name, procs, plan["peers"], timeout)
                     if phase["mbit"] != shaped:  # only now: every peer is done with the rounds at the last rate
@@ -343,15 +382,25 @@ def run(args, plan: dict, out: Path) -> list[dict]:
                 time.sleep(0.2)
         finally:
             _stop(procs)
-    records = []
-    for i in range(plan["peers"]):
-        path = out / f"peer{i}.jsonl"
-        if path.exists():
-            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return records
+    peers = range(plan["peers"])
+    return _read_records(out / f"peer{i}.jsonl" for i in peers), _read_records(out / f"tcp{i}.jsonl" for i in peers)
 
 
-def summarize(plan: dict, records: list[dict]) -> list[dict]:
+def tcp_seconds(plan: dict, tcp_records: list[dict], index: int) -> dict[str, Optional[float]]:
+    """Per pattern, the median over phase `index`'s probes of (the last byte any peer received) − (the
+    common start), over the probes in which every peer's flows all ended; None where none did."""
+    seconds = {}
+    for pattern in PATTERNS:
+        times = []
+        for r in range(plan["rounds"]):
+            got = [x for x in tcp_records if x["phase"] == index and x["round"] == r and x["pattern"] == pattern]
+            if len(got) == plan["peers"]:
+                times.append(max(x["end"] for x in got) - got[0]["start"])
+        seconds[pattern] = statistics.median(times) if times else None
+    return seconds
+
+
+def summarize(plan: dict, records: list[dict], tcp_records: list[dict]) -> list[dict]:
     from p2p_diloco.sync.codecs import bytes_per_parameter
 
     peers, numel = plan["peers"], plan["numel"]
@@ -384,6 +433,7 @@ def summarize(plan: dict, records: list[dict]) -> list[dict]:
             return statistics.median(x[key] for x in rounds) if rounds else None
 
         allreduce = median("allreduce_s")
+        tcp = tcp_seconds(plan, tcp_records, p)
         for x in per_round:
             x["commit_s"] = x["round_s"] - x["matchmaking_s"] - x["allreduce_s"]
         rows.append(dict(
@@ -391,6 +441,8 @@ def summarize(plan: dict, records: list[dict]) -> list[dict]:
             s_codec_bytes=s_codec, limit_s=limit, allreduce_s=allreduce, round_s=median("round_s"),
             matchmaking_s=median("matchmaking_s"), commit_s=median("commit_s"),
             efficiency=limit / allreduce if allreduce else None,
+            tcp_s=tcp, tcp_efficiency={k: limit / v if v else None for k, v in tcp.items()},
+            of_tcp=tcp["all-to-all"] / allreduce if allreduce and tcp["all-to-all"] else None,
             split_limit_s=median("split_limit_s"), cpu_cores=median("cpu_cores"),
             p2pd_cpu_cores=median("p2pd_cpu_cores"),
             allreduce_s_each_round=[x["allreduce_s"] for x in per_round],
@@ -415,12 +467,15 @@ def print_table(plan: dict, rows: list[dict]) -> None:
           f"{plan['rounds']} rounds each, {'planned' if plan['planned'] else 'hivemind'} matchmaking; medians over "
           f"the rounds; MB = 10^6 bytes, sent + received per peer per round\n")
     print("| Mbit/s | codec | S_codec MB | limit s | all-reduce s | efficiency | split limit s | "
+          "TCP all-to-all s (of limit) | one TCP flow per link s (of limit) | all-reduce of TCP all-to-all | "
           f"CPU busy (of {os.cpu_count()} cores), p2pd's | round s | matchmaking s | commit s | "
           "payload MB mean / peak (ideal) | eth0 MB mean / peak | rounds ok |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|---|---:|")
     for r in rows:
         print(f"| {r['mbit']:g} | {r['codec']} | {r['s_codec_bytes'] / 1e6:.2f} | {r['limit_s']:.2f} | "
               f"{num(r['allreduce_s'], '.2f')} | {num(r['efficiency'], '.2f')} | {num(r['split_limit_s'], '.2f')} | "
+              + " | ".join(f"{num(r['tcp_s'][k], '.2f')} ({num(r['tcp_efficiency'][k], '.2f')})" for k in PATTERNS)
+              + f" | {num(r['of_tcp'], '.2f')} | "
               f"{num(r['cpu_cores'], '.2f')}, {num(r['p2pd_cpu_cores'], '.2f')} | "
               f"{num(r['round_s'], '.2f')} | {num(r['matchmaking_s'], '.2f')} | {num(r['commit_s'], '.2f')} | "
               f"{mb(r['payload_bytes_per_peer_mean'])} / {mb(r['payload_bytes_per_peer_peak'])} "
@@ -437,6 +492,9 @@ def main() -> None:
     parser.add_argument("--mbytes", type=float, default=16.0, help="S: fp32 size of the averaged tensor, in 10^6 bytes")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per rate and codec")
     parser.add_argument("--burst-ms", type=float, default=2.0, help="tbf bucket, in ms of the rate (at least 64 KiB)")
+    parser.add_argument("--tcp", action=argparse.BooleanOptionalAction, default=True,
+                        help="before each rate and codec's rounds, as many rounds of plain TCP moving the same bytes "
+                             "(benchmarks/tcp_ceiling.py): the ceiling of an all-reduce over TCP on these links")
     parser.add_argument("--matchmaking", choices=("planned", "hivemind"), default="planned",
                         help="how each round's group forms: from the membership plan, as the training loop does "
                              "(default), or by hivemind's matchmaking for matchmaking_time")
@@ -468,13 +526,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     plan = dict(peers=args.peers, numel=int(args.mbytes * 1e6 / 4), rounds=args.rounds,
                 matchmaking_time=MATCHMAKING_TIME_S, request_timeout=REQUEST_TIMEOUT_S, burst_ms=args.burst_ms,
-                planned=args.matchmaking == "planned",
+                planned=args.matchmaking == "planned", tcp=args.tcp,
                 phases=[dict(mbit=rate, codec=codec) for rate in rates for codec in codecs])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("error: stopped (SIGTERM)"))  # `finally` stops the peers
     began = time.monotonic()
-    records = run(args, plan, out)
-    rows = summarize(plan, records)
-    (out / "results.json").write_text(json.dumps(dict(plan=plan, rows=rows, records=records), indent=2))
+    records, tcp_records = run(args, plan, out)
+    rows = summarize(plan, records, tcp_records)
+    (out / "results.json").write_text(json.dumps(dict(plan=plan, rows=rows, records=records, tcp_records=tcp_records),
+                                                 indent=2))
     print_table(plan, rows)
     print(f"\n{time.monotonic() - began:.0f} s in all; records under {out}")
     if any(r["rounds_ok"] == 0 for r in rows):
