@@ -38,12 +38,12 @@ What this does not stop:
   sha256 of the gathered tokens, and a group's leader gathers its own token last: a hostile leader
   can pick among the n − 1 rotations, so with one colluding identity in the group it can be audited
   by it.
-* With a codec whose encoding may differ on another CPU (bitsandbytes' ``int8``, ``nf4``, ``fp4-bnb``
-  and the two-byte floats, which a CPU may flush to zero below their normal range), the auditor
-  accepts bytes that decode within the codec's error bound of the recomputed result
-  (:func:`off_values`): a hostile reducer can move each value of its parts by up to that bound. With
-  ``none`` and the default ``fp4-e3m0``, whose encoding is IEEE arithmetic alone, every value must be
-  the auditor's own encoding (values below 2^-100 aside).
+* With the two-byte floats (``fp16``, ``bf16``), whose conversion a CPU may flush to zero below their
+  normal range, the auditor accepts bytes that decode within the codec's error bound of the
+  recomputed result (:func:`off_values`): a hostile reducer can move each value of its parts by up to
+  that bound. With ``none`` and the block codecs (``int8``, ``nf4``, ``fp4-bnb`` and the default
+  ``fp4-e3m0``), whose encoding is IEEE arithmetic and table lookups alone, every value must be the
+  auditor's own encoding (values below 2^-100 aside).
 * When the bytes a reducer serves for a sender do not match that sender's digest, either may lie:
   the round is void and nobody is banned. A hostile reducer can thus void its rounds unpunished,
   never pass a wrong result.
