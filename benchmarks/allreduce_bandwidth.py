@@ -386,17 +386,15 @@ def run(args, plan: dict, out: Path) -> tuple[list[dict], list[dict]]:
     return _read_records(out / f"peer{i}.jsonl" for i in peers), _read_records(out / f"tcp{i}.jsonl" for i in peers)
 
 
-def tcp_seconds(plan: dict, tcp_records: list[dict], index: int) -> dict[str, Optional[float]]:
-    """Per pattern, the median over phase `index`'s probes of (the last byte any peer received) − (the
-    common start), over the probes in which every peer's flows all ended; None where none did."""
+def tcp_round_seconds(plan: dict, tcp_records: list[dict], index: int) -> dict[str, list[Optional[float]]]:
+    """Per pattern and round of phase `index`, (the last byte any peer received) − (the common start), or
+    None where not every peer's flows ended."""
     seconds = {}
     for pattern in PATTERNS:
-        times = []
+        seconds[pattern] = []
         for r in range(plan["rounds"]):
             got = [x for x in tcp_records if x["phase"] == index and x["round"] == r and x["pattern"] == pattern]
-            if len(got) == plan["peers"]:
-                times.append(max(x["end"] for x in got) - got[0]["start"])
-        seconds[pattern] = statistics.median(times) if times else None
+            seconds[pattern].append(max(x["end"] for x in got) - got[0]["start"] if len(got) == plan["peers"] else None)
     return seconds
 
 
@@ -415,7 +413,7 @@ def summarize(plan: dict, records: list[dict], tcp_records: list[dict]) -> list[
                 continue
             allreduce_s = max(x["done"] for x in got) - min(x["began"] for x in got)
             per_round.append(dict(
-                allreduce_s=allreduce_s,
+                round=r, allreduce_s=allreduce_s,
                 round_s=max(x["returned"] for x in got) - got[0]["start"],
                 matchmaking_s=min(x["began"] for x in got) - got[0]["start"],
                 payload=[x["sent"] + x["received"] for x in got],
@@ -433,7 +431,9 @@ def summarize(plan: dict, records: list[dict], tcp_records: list[dict]) -> list[
             return statistics.median(x[key] for x in rounds) if rounds else None
 
         allreduce = median("allreduce_s")
-        tcp = tcp_seconds(plan, tcp_records, p)
+        tcp_each_round = tcp_round_seconds(plan, tcp_records, p)
+        tcp = {k: statistics.median(done) if (done := [t for t in v if t is not None]) else None
+               for k, v in tcp_each_round.items()}
         for x in per_round:
             x["commit_s"] = x["round_s"] - x["matchmaking_s"] - x["allreduce_s"]
         rows.append(dict(
@@ -446,6 +446,8 @@ def summarize(plan: dict, records: list[dict], tcp_records: list[dict]) -> list[
             split_limit_s=median("split_limit_s"), cpu_cores=median("cpu_cores"),
             p2pd_cpu_cores=median("p2pd_cpu_cores"),
             allreduce_s_each_round=[x["allreduce_s"] for x in per_round],
+            per_round=[{k: v for k, v in x.items() if k in ROUND_PHASES} for x in per_round],
+            tcp_s_each_round=tcp_each_round,
             ideal_payload_bytes_per_peer=2 * 2 * (peers - 1) / peers * s_codec,
             payload_bytes_per_peer_mean=statistics.mean(payload) if payload else None,
             payload_bytes_per_peer_peak=max(payload, default=None),
@@ -456,10 +458,31 @@ def summarize(plan: dict, records: list[dict], tcp_records: list[dict]) -> list[
     return rows
 
 
-def print_table(plan: dict, rows: list[dict]) -> None:
-    def num(value, fmt):
-        return format(value, fmt) if value is not None else "–"
+ROUND_PHASES = ("round", "matchmaking_s", "allreduce_s", "commit_s", "round_s", "cpu_cores", "p2pd_cpu_cores")
 
+
+def num(value, fmt: str) -> str:
+    return format(value, fmt) if value is not None else "–"
+
+
+def print_rounds(rows: list[dict]) -> None:
+    """Each round's phases, where the medians of the first table come from; a round that was not full, or
+    gave the peers different means, is listed as failed."""
+    print("\n| Mbit/s | codec | round | matchmaking s | all-reduce s | commit s | round s | CPU busy, p2pd's | "
+          + " | ".join(f"{pattern} TCP s" for pattern in PATTERNS) + " |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|" + "---:|" * len(PATTERNS))
+    for row in rows:
+        done = {x["round"]: x for x in row["per_round"]}
+        for r in range(row["rounds"]):
+            tcp = " | ".join(num(row["tcp_s_each_round"][pattern][r], ".2f") for pattern in PATTERNS)
+            x = done.get(r)
+            phases = ("failed | – | – | – | –" if x is None else
+                      f"{x['matchmaking_s']:.2f} | {x['allreduce_s']:.2f} | {x['commit_s']:.2f} | {x['round_s']:.2f} | "
+                      f"{x['cpu_cores']:.2f}, {x['p2pd_cpu_cores']:.2f}")
+            print(f"| {row['mbit']:g} | {row['codec']} | {r} | {phases} | {tcp} |")
+
+
+def print_table(plan: dict, rows: list[dict]) -> None:
     def mb(value):
         return num(value / 1e6 if value is not None else None, ".2f")
 
@@ -535,6 +558,7 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps(dict(plan=plan, rows=rows, records=records, tcp_records=tcp_records),
                                                  indent=2))
     print_table(plan, rows)
+    print_rounds(rows)
     print(f"\n{time.monotonic() - began:.0f} s in all; records under {out}")
     if any(r["rounds_ok"] == 0 for r in rows):
         sys.exit("error: some rate and codec had no complete round; see the peers' logs")
