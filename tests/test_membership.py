@@ -6,6 +6,7 @@ real peers on 127.0.0.1, started together: every step must be averaged by all 6 
 member SIGKILLed mid all-reduce must cost the 5 others no step (they average again without it).
 """
 
+import asyncio
 import hashlib
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 from p2p_diloco.metrics import read_metrics
 from p2p_diloco.swarm.progress import LOADING, READY, TRAINING, PeerProgress
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
-from p2p_diloco.sync.membership import MAX_LEADERS, plan_membership
+from p2p_diloco.sync import membership
+from p2p_diloco.sync.membership import HOLD_S, MAX_LEADERS, PlannedMatchmaking, plan_membership
 from tests.allreduce_case import START
 from tests.swarm_helpers import (
     FAST_TIMEOUTS, assert_consistent, outer_steps, proc, start_bootstrap, start_peer, tiny_config_file,
@@ -64,6 +66,62 @@ def test_the_plan_counts_ready_peers_of_this_state_and_leads_with_dialable_ones(
     assert plan_membership({}, 4, STATE, peers[0], DIRECT).expected == 1
     # nobody at the step can be dialled: no plan, hivemind's matchmaking (and an assistant) instead
     assert plan_membership({peers[1]: records[peers[1]]}, 4, STATE, peers[0], UNREACHABLE) is None
+
+
+def leader_not_leading_yet(request_timeout: float) -> PlannedMatchmaking:
+    """The part of a planned leader that holds join requests, alone: no DHT, no p2p daemon (the swarm tests
+    below run the whole of it)."""
+    leader = PlannedMatchmaking.__new__(PlannedMatchmaking)
+    leader.began_leading, leader.request_timeout = asyncio.Event(), request_timeout
+    return leader
+
+
+async def hivemind_answers(log: list):
+    """Stands for hivemind's join handler: what it did, in order."""
+    log.append("answered")
+    try:
+        yield "ACCEPTED"
+    finally:
+        log.append("closed")
+
+
+def test_the_hold_is_shorter_than_what_a_member_waits_for_its_answer():
+    assert leader_not_leading_yet(60.0).hold_s == HOLD_S
+    assert leader_not_leading_yet(0.4).hold_s == pytest.approx(0.2)
+
+
+@pytest.mark.timeout(30)
+def test_a_held_request_is_answered_as_soon_as_its_leader_begins_to_lead(monkeypatch):
+    monkeypatch.setattr(membership, "HOLD_S", 30.0)  # no answer but the leader's beginning can free it
+
+    async def scenario(log: list) -> None:
+        leader = leader_not_leading_yet(request_timeout=100.0)
+        answers = leader._after_leading_begins(hivemind_answers(log))
+        first = asyncio.ensure_future(anext(answers))
+        await asyncio.sleep(0.2)
+        assert not first.done() and log == []  # held: hivemind's handler has not run
+        log.append("leads")
+        leader.began_leading.set()
+        assert await asyncio.wait_for(first, 10) == "ACCEPTED"
+        await answers.aclose()
+
+    log = []
+    asyncio.run(scenario(log))
+    assert log == ["leads", "answered", "closed"]
+
+
+@pytest.mark.timeout(30)
+def test_a_leader_that_does_not_begin_answers_once_the_hold_is_over():
+    async def scenario(log: list) -> str:
+        leader = leader_not_leading_yet(request_timeout=0.02)  # a hold of 0.01 s
+        answers = leader._after_leading_begins(hivemind_answers(log))
+        try:
+            return await asyncio.wait_for(anext(answers), 10)  # hivemind's handler answers (it refuses, there)
+        finally:
+            await answers.aclose()
+
+    log = []
+    assert asyncio.run(scenario(log)) == "ACCEPTED" and log == ["answered", "closed"]
 
 
 LATE_ANSWER_S = 1.5  # a leader's answer to a join request it accepts comes this late: more than request_timeout (1 s)

@@ -64,6 +64,7 @@ MAX_LEADERS = 3  # leaders a plan names, in order: a dead first leader costs one
 WINDOW_MATCHMAKING_TIMES = 3  # a window, in matchmaking_time: time for every member to join
 LEAD_WINDOWS = 2  # a leader takes members for at most this many windows (its members wait three for it)
 RETRY_S = 0.5  # between two join requests to a leader that is not taking members yet
+HOLD_S = RETRY_S  # how long a leader that is not leading yet holds a planned member's request, at most
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ class PlannedMatchmaking(ScreenedMatchmaking):
         self.join_window_end: Optional[float] = None  # loop time: the end of the window to join the leader asked now
         super().__init__(*args, **kwargs)
         self.leading = False
+        self.began_leading = asyncio.Event()  # set while this peer leads a planned group (`leading`)
         # (the token of a round, its planned members): set by the averager before the round's step
         self.planned_members: tuple[str, frozenset[str]] = ("", frozenset())
         self.follow_until: Optional[float] = None  # DHT time until which this member waits for the leader it joined
@@ -225,6 +227,7 @@ class PlannedMatchmaking(ScreenedMatchmaking):
         # hivemind's rpc_join_group keeps each follower until this expiration, then runs with what it has
         leaders.declared_group_key, leaders.declared_expiration_time = key, expiration
         self.leading = True
+        self.began_leading.set()
         try:
             # declared on the DHT too, for members without a plan (an assistant) to find this leader
             await self.group_key_manager.declare_averager(key, self.peer_id, expiration_time=expiration)
@@ -247,6 +250,7 @@ class PlannedMatchmaking(ScreenedMatchmaking):
                 return None
         finally:
             self.leading = False
+            self.began_leading.clear()
             leaders.declared_group_key, leaders.declared_expiration_time = None, float("inf")
             await self.group_key_manager.declare_averager(key, self.peer_id, expiration, looking_for_group=False)
 
@@ -284,10 +288,43 @@ class PlannedMatchmaking(ScreenedMatchmaking):
         return None
 
     def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext):
-        """hivemind's, unless a fault test pauses this leader's acceptances (:mod:`p2p_diloco.faults`)."""
-        if not faults.join_answer_pause_s():
-            return super().rpc_join_group(request, context)
-        return self._rpc_join_group_paused(super().rpc_join_group(request, context))
+        """hivemind's; a request from a planned member that names this peer a leader of its round, while
+        this peer does not lead yet, is held until it does, for :attr:`hold_s` at most (then hivemind's
+        answers, and refuses it if it still does not lead); a fault test pauses this leader's acceptances
+        (:mod:`p2p_diloco.faults`).
+
+        Peers begin a round's matchmaking moments apart, and a member whose leader had not begun was
+        refused and asked again :data:`RETRY_S` later: 0.5 s of a third of the rounds' matchmaking in the
+        all-reduce benchmark, whose peers all begin at one instant. The hold answers as soon as the
+        leader begins."""
+        answers = super().rpc_join_group(request, context)
+        if not self.leading and self._names_me_leader(request):
+            answers = self._after_leading_begins(answers)
+        if faults.join_answer_pause_s():
+            answers = self._rpc_join_group_paused(answers)
+        return answers
+
+    def _names_me_leader(self, request: averaging_pb2.JoinRequest) -> bool:
+        plan = planned_metadata(request.gather)
+        return plan is not None and self.peer_id.to_base58() in plan.leaders
+
+    @property
+    def hold_s(self) -> float:
+        """:data:`HOLD_S`, or half of ``request_timeout`` where that is shorter: a member waits at least
+        ``request_timeout`` for its answer (the run's peers share it), and one that gave up on an answer
+        that then took it in would leave a group that counts it."""
+        return min(HOLD_S, self._request_timeout / 2)
+
+    async def _after_leading_begins(self, answers):
+        try:
+            try:
+                await asyncio.wait_for(self.began_leading.wait(), self.hold_s)
+            except asyncio.TimeoutError:
+                pass  # hivemind's handler refuses it: this peer does not lead (yet)
+            async for message in answers:
+                yield message
+        finally:
+            await answers.aclose()
 
     @staticmethod
     async def _rpc_join_group_paused(answers):
