@@ -64,8 +64,9 @@ not part of the all-reduce time. Per (B, codec) the table gives:
   return (everything: TCP/IP, TLS, yamux, protobuf framing, DHT and the round reports), mean and peak;
 - **rounds ok**: rounds in which every peer got the full group and the same mean (sha256).
 
-It prints a Markdown table and writes the per-peer, per-round records (results.json, peer*.jsonl)
-and the peers' logs under --out.
+It prints a Markdown table of the medians, then one of every round's phases (matchmaking, all-reduce,
+commit, round, CPU busy, and the TCP probes of the same round index), and writes the per-peer, per-round
+records (results.json, peer*.jsonl, tcp*.jsonl) and the peers' logs under --out.
 """
 
 from __future__ import annotations
