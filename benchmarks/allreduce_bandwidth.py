@@ -516,9 +516,9 @@ def main() -> None:
     parser.add_argument("--mbytes", type=float, default=16.0, help="S: fp32 size of the averaged tensor, in 10^6 bytes")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per rate and codec")
     parser.add_argument("--burst-ms", type=float, default=2.0, help="tbf bucket, in ms of the rate (at least 64 KiB)")
-    parser.add_argument("--tcp", action=argparse.BooleanOptionalAction, default=True,
-                        help="before each rate and codec's rounds, as many rounds of plain TCP moving the same bytes "
-                             "(benchmarks/tcp_ceiling.py): the ceiling of an all-reduce over TCP on these links")
+    parser.add_argument("--no-tcp", dest="tcp", action="store_false",
+                        help="skip the rounds of plain TCP moving the same bytes before each rate and codec's rounds "
+                             "(benchmarks/tcp_ceiling.py: the ceiling of an all-reduce over TCP on these links)")
     parser.add_argument("--matchmaking", choices=("planned", "hivemind"), default="planned",
                         help="how each round's group forms: from the membership plan, as the training loop does "
                              "(default), or by hivemind's matchmaking for matchmaking_time")
