@@ -202,6 +202,29 @@ class _StepWatch:
         return marks
 
 
+def _profile_averagers(out: Path, index: int) -> None:
+    """Profile the event-loop thread of each averager this peer starts (cProfile, what the asyncio loop
+    runs: hivemind's matchmaking and all-reduce, the p2p messages, our reducer and ledger; not the
+    executor threads, where the codecs and the digests of the parts run), written to
+    averager-<peer>-<pid>.prof under --out when the averager shuts down."""
+    import cProfile
+
+    from p2p_diloco.sync.exact_allreduce import ExactMeanAverager
+
+    serve = ExactMeanAverager._run_internal
+
+    def profiled(averager) -> None:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            serve(averager)
+        finally:
+            profiler.disable()
+            profiler.dump_stats(out / f"averager-{index}-{os.getpid()}.prof")
+
+    ExactMeanAverager._run_internal = profiled
+
+
 def run_worker(args) -> None:
     import torch
 
@@ -227,6 +250,8 @@ def run_worker(args) -> None:
     (sync_dir / f"peer-id-{index}").write_text(node.dht.peer_id.to_base58())  # for the membership plans
     (sync_dir / f"ip-{index}").write_text(args.ip)  # for the TCP probes
     sink = Sink(args.ip)
+    if plan["profile_averagers"]:
+        _profile_averagers(out, index)
 
     def membership(outer_step: int, global_sha256: str):
         """The round's plan, as every peer computes it (planned matchmaking), or None (hivemind's)."""
@@ -519,6 +544,9 @@ def main() -> None:
     parser.add_argument("--no-tcp", dest="tcp", action="store_false",
                         help="skip the rounds of plain TCP moving the same bytes before each rate and codec's rounds "
                              "(benchmarks/tcp_ceiling.py: the ceiling of an all-reduce over TCP on these links)")
+    parser.add_argument("--profile-averagers", action="store_true",
+                        help="profile each averager's event-loop thread (cProfile; averager-<peer>-<pid>.prof under "
+                             "--out, read with python -m pstats): it slows what it measures")
     parser.add_argument("--matchmaking", choices=("planned", "hivemind"), default="planned",
                         help="how each round's group forms: from the membership plan, as the training loop does "
                              "(default), or by hivemind's matchmaking for matchmaking_time")
@@ -550,7 +578,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     plan = dict(peers=args.peers, numel=int(args.mbytes * 1e6 / 4), rounds=args.rounds,
                 matchmaking_time=MATCHMAKING_TIME_S, request_timeout=REQUEST_TIMEOUT_S, burst_ms=args.burst_ms,
-                planned=args.matchmaking == "planned", tcp=args.tcp,
+                planned=args.matchmaking == "planned", tcp=args.tcp, profile_averagers=args.profile_averagers,
                 phases=[dict(mbit=rate, codec=codec) for rate in rates for codec in codecs])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("error: stopped (SIGTERM)"))  # `finally` stops the peers
     began = time.monotonic()
