@@ -91,8 +91,8 @@ def steps_reached(metrics: list[Path]) -> int:
 
 
 def assert_honest_peers_sound(processes, honest: list[Path]) -> None:
-    """One θ_global per outer step, every loss finite, every round's loss after outer step 1 below the
-    highest of outer step 1's, no honest peer exited."""
+    """One θ_global per outer step, every loss finite, at every outer step after the first some honest
+    peer's round loss below the highest of outer step 1's, no honest peer exited."""
     assert_consistent(honest)
     # the rounds toward outer step 1 start from the initial weights, about as good as a uniform guess
     # (ln vocab_size): every later round starts from θ_global, and one pushed far off starts above them.
@@ -101,12 +101,19 @@ def assert_honest_peers_sound(processes, honest: list[Path]) -> None:
     # that the peers' rounds from the initial weights had)
     initial = [r["loss"] for path in honest for r in outer_steps(path) if r["outer_step"] == 1]
     assert initial, "no honest peer recorded outer step 1"
+    later: dict[int, list[float]] = {}
     for path in honest:
         losses = [r["loss"] for r in outer_steps(path)]
         assert all(math.isfinite(loss) for loss in losses), f"{path.name}: losses {losses}"
-        later = [r["loss"] for r in outer_steps(path) if r["outer_step"] > 1]
-        assert all(loss < max(initial) for loss in later), f"{path.name}: the loss did not fall: {losses}, " \
-                                                             f"outer step 1's: {initial}"
+        for r in outer_steps(path):
+            if r["outer_step"] > 1:
+                later.setdefault(r["outer_step"], []).append(r["loss"])
+    # θ_global is one for every honest peer (above), so one pushed far off raises every honest peer's next
+    # round; one peer's round can rise alone, from its own batches. In a CI run whose outer step 1 came
+    # after several failed attempts (the peers kept training, so its losses were 4.92-4.94, not about 5.4),
+    # one peer's round at step 5 measured 5.39 where the other's, from the same θ_global, measured 4.80
+    risen = {step: losses for step, losses in later.items() if min(losses) >= max(initial)}
+    assert not risen, f"every honest peer's loss rose above outer step 1's ({initial}) at: {risen}"
     peers = [p for p in processes.procs if p.name.startswith("peer")]
     assert all(p.poll() is None for p in peers), [(p.name, p.returncode) for p in peers]
 
