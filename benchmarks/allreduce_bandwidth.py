@@ -1,6 +1,6 @@
 """All-reduce time of S bytes among N peers on rate-limited links, per codec, against the physical limit.
 
-    sudo python benchmarks/allreduce_bandwidth.py          # ~8 min on 2 cores (--no-tcp: ~5); needs root (network namespaces)
+    sudo python benchmarks/allreduce_bandwidth.py   # ~8 min on 2 cores (--no-tcp: ~5); needs root (network namespaces)
     sudo python benchmarks/allreduce_bandwidth.py --mbit 100 --codecs none,fp4-e3m0 --rounds 2 --mbytes 4  # ~25 s
 
 N peer processes (--peers, default 3) each run in a network namespace of their own on one bridge
@@ -39,13 +39,14 @@ not part of the all-reduce time. Per (B, codec) the table gives:
   512 KiB *after* the codec (131,072 fp32 values, 932,067 values in a 4-bit codec) and gives each
   part whole to one reducer, so with few parts per peer the reducers' shares are unequal and the
   busiest peer moves more than 2(N−1)/N · S_codec;
-- **TCP all-to-all s** and **one TCP flow per link s** (unless --no-tcp): before each rate and codec's
-  rounds, as many rounds of plain sockets moving the same bytes on the same links from a common start
-  (benchmarks/tcp_ceiling.py): each peer sends 2(N−1)/N · S_codec split evenly to every other peer at
-  once (the butterfly's traffic), or all of it to the next peer (a ring's: one flow per link); the median
-  time to the last byte received, and in parentheses limit / that time. TCP/IP and Ethernet headers, the
-  ACKs and the flows' sharing of a link keep it under 1.0; **all-reduce of TCP all-to-all** is the TCP
-  all-to-all s / all-reduce s, the share of TCP's own ceiling that the all-reduce reaches;
+- **TCP all-to-all s** and **one TCP flow per link s** (unless --no-tcp): once every all-reduce round is
+  done, for each rate and codec as many rounds of plain sockets moving the same bytes on the same links
+  from a common start (benchmarks/tcp_ceiling.py): each peer sends 2(N−1)/N · S_codec split evenly to
+  every other peer at once (the butterfly's traffic), or all of it to the next peer (a ring's: one flow
+  per link); the median time to the last byte received, and in parentheses limit / that time. TCP/IP
+  and Ethernet headers, the ACKs and the flows' sharing of a link keep it under 1.0; **all-reduce of TCP
+  all-to-all** is the TCP all-to-all s / all-reduce s, the share of TCP's own ceiling that the all-reduce
+  reaches;
 - **CPU busy**: the CPU time that every peer's processes (the peer, its averager, its DHT and p2pd:
   /proc/PID/stat) used from its start of the all-reduce to its end, summed over the peers, over the
   all-reduce s: the cores busy on average, and of them the p2pd daemons' (libp2p's TLS, yamux and the
@@ -113,16 +114,18 @@ def phase_tag(index: int, phase: dict) -> str:
 
 
 def tcp_probes(plan: dict, index: int) -> list[tuple[str, str, int]]:
-    """Phase `index`'s TCP probes, in the order every peer runs them, before the phase's all-reduces:
-    (barrier name and tag, pattern, round)."""
+    """Phase `index`'s TCP probes, in the order every peer runs them: (barrier name and tag, pattern, round)."""
     if not plan["tcp"]:
         return []
     return [(f"{index}-tcp-{pattern}-{r}", pattern, r) for r in range(plan["rounds"]) for pattern in PATTERNS]
 
 
-def barrier_names(plan: dict, index: int) -> list[str]:
-    """Every start of phase `index`, in order: its TCP probes, then its all-reduce rounds."""
-    return [name for name, _, _ in tcp_probes(plan, index)] + [f"{index}-{r}" for r in range(plan["rounds"])]
+def starts(plan: dict) -> list[tuple[int, str]]:
+    """Every common start, in the order every peer goes through them: (phase, barrier name). Every phase's
+    all-reduce rounds come first, then every phase's TCP probes: fp32 rounds at 20 Mbit/s right after the
+    probes took 10.5–12.4 s, against 9.6–11.0 s without them."""
+    rounds = [(p, f"{p}-{r}") for p in range(len(plan["phases"])) for r in range(plan["rounds"])]
+    return rounds + [(p, name) for p in range(len(plan["phases"])) for name, _, _ in tcp_probes(plan, p)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,14 +266,6 @@ def run_worker(args) -> None:
     sync = None
     try:
         for p, phase in enumerate(plan["phases"]):
-            for name, pattern, r in tcp_probes(plan, p):
-                timeout = allreduce_timeout(plan, phase)
-                start = _barrier(sync_dir, name, index, STARTUP_TIMEOUT_S + 4 * timeout)
-                addresses = [((sync_dir / f"ip-{i}").read_text(), PORT) for i in range(plan["peers"])]  # all written now
-                result = probe(sink, pattern, index, addresses, numel * bytes_per_parameter(phase["codec"]), name,
-                               start, timeout)
-                with open(out / f"tcp{index}.jsonl", "a") as f:
-                    f.write(json.dumps(dict(peer=index, phase=p, round=r, **result)) + "\n")
             tag = phase_tag(p, phase)
             cfg = SwarmConfig(matchmaking_time=MATCHMAKING_TIME_S, request_timeout=REQUEST_TIMEOUT_S,
                               allreduce_timeout=allreduce_timeout(plan, phase), next_chunk_timeout=30.0,
@@ -313,6 +308,15 @@ def run_worker(args) -> None:
                     f.write(json.dumps(record) + "\n")
             sync.shutdown()
             sync = None
+        for p, phase in enumerate(plan["phases"]):  # after every all-reduce (see `starts`)
+            for name, pattern, r in tcp_probes(plan, p):
+                timeout = allreduce_timeout(plan, phase)
+                start = _barrier(sync_dir, name, index, STARTUP_TIMEOUT_S + 4 * timeout)
+                addresses = [((sync_dir / f"ip-{i}").read_text(), PORT) for i in range(plan["peers"])]
+                result = probe(sink, pattern, index, addresses, numel * bytes_per_parameter(phase["codec"]), name,
+                               start, timeout)
+                with open(out / f"tcp{index}.jsonl", "a") as f:
+                    f.write(json.dumps(dict(peer=index, phase=p, round=r, **result)) + "\n")
         _barrier(sync_dir, "end", index, 600.0)  # nobody leaves (peer 0 is the DHT's entry) before all are done
     finally:
         children = process_tree.descendant_pids(os.getpid())
@@ -390,17 +394,21 @@ def run(args, plan: dict, out: Path) -> tuple[list[dict], list[dict]]:
             for i, host in enumerate(hosts[1:], start=1):
                 procs.append(topology.popen(host, [*me, "--worker", str(i), "--ip", host.ip, "--initial-peers", *maddrs],
                                             stdout=subprocess.DEVNULL, stderr=open(out / f"peer{i}.log", "w"), env=env))
-            shaped = None
-            for p, phase in enumerate(plan["phases"]):
-                print(f"{phase['mbit']:g} Mbit/s, {phase['codec']}: {plan['rounds']} rounds", file=sys.stderr, flush=True)
-                for name in barrier_names(plan, p):
-                    timeout = STARTUP_TIMEOUT_S + 4 * allreduce_timeout(plan, phase) + COMMIT_TIMEOUT_S
-                    _wait_ready(sync_dir, name, procs, plan["peers"], timeout)
-                    if phase["mbit"] != shaped:  # only now: every peer is done with the rounds at the last rate
-                        for host in hosts:
-                            topology.limit_rate(host, phase["mbit"], args.burst_ms)
-                        shaped = phase["mbit"]
-                    _go(sync_dir, name)
+            shaped, announced = None, None
+            for p, name in starts(plan):
+                phase = plan["phases"][p]
+                what = "TCP probes" if "-tcp-" in name else "all-reduce rounds"
+                if (p, what) != announced:
+                    print(f"{phase['mbit']:g} Mbit/s, {phase['codec']}: {plan['rounds']} {what}", file=sys.stderr,
+                          flush=True)
+                    announced = (p, what)
+                timeout = STARTUP_TIMEOUT_S + 4 * allreduce_timeout(plan, phase) + COMMIT_TIMEOUT_S
+                _wait_ready(sync_dir, name, procs, plan["peers"], timeout)
+                if phase["mbit"] != shaped:  # only now: every peer is done with what ran at the last rate
+                    for host in hosts:
+                        topology.limit_rate(host, phase["mbit"], args.burst_ms)
+                    shaped = phase["mbit"]
+                _go(sync_dir, name)
             _wait_ready(sync_dir, "end", procs, plan["peers"], 4 * allreduce_timeout(plan, plan["phases"][-1]) + 60)
             _go(sync_dir, "end")
             deadline = time.monotonic() + 60  # each peer shuts down by itself; _stop below ends the rest
@@ -542,7 +550,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per rate and codec")
     parser.add_argument("--burst-ms", type=float, default=2.0, help="tbf bucket, in ms of the rate (at least 64 KiB)")
     parser.add_argument("--no-tcp", dest="tcp", action="store_false",
-                        help="skip the rounds of plain TCP moving the same bytes before each rate and codec's rounds "
+                        help="skip the rounds of plain TCP moving each rate and codec's bytes after the all-reduces "
                              "(benchmarks/tcp_ceiling.py: the ceiling of an all-reduce over TCP on these links)")
     parser.add_argument("--profile-averagers", action="store_true",
                         help="profile each averager's event-loop thread (cProfile; averager-<peer>-<pid>.prof under "

@@ -95,8 +95,8 @@ class Sink:
 def probe(sink: Sink, pattern: str, me: int, addresses: list[tuple[str, int]], s_bytes: float, tag: str,
           start: float, timeout_s: float) -> dict:
     """Peer `me`'s part of one probe among the peers whose sinks listen at `addresses`: open its connections,
-    send from `start` on, and wait for its own incoming flows. Returns when the last byte came in (`end`; `flow_ends`, of each incoming flow), and the
-    bytes sent and received."""
+    send from `start` on, and wait for its own incoming flows. Returns when the last byte came in (`end`;
+    `flow_ends`: of each incoming flow), and the bytes sent and received."""
     peers = len(addresses)
     nbytes = bytes_per_destination(pattern, peers, s_bytes)
     payload = memoryview(bytes(nbytes))
