@@ -120,12 +120,13 @@ def tcp_probes(plan: dict, index: int) -> list[tuple[str, str, int]]:
     return [(f"{index}-tcp-{pattern}-{r}", pattern, r) for r in range(plan["rounds"]) for pattern in PATTERNS]
 
 
-def starts(plan: dict) -> list[tuple[int, str]]:
-    """Every common start, in the order every peer goes through them: (phase, barrier name). Every phase's
-    all-reduce rounds come first, then every phase's TCP probes: fp32 rounds at 20 Mbit/s right after the
-    probes took 10.5–12.4 s, against 9.6–11.0 s without them."""
-    rounds = [(p, f"{p}-{r}") for p in range(len(plan["phases"])) for r in range(plan["rounds"])]
-    return rounds + [(p, name) for p in range(len(plan["phases"])) for name, _, _ in tcp_probes(plan, p)]
+def starts(plan: dict) -> list[tuple[int, str, str]]:
+    """Every common start, in the order every peer goes through them: (phase, barrier name, what runs).
+    Every phase's all-reduce rounds come first, then every phase's TCP probes: fp32 rounds at 20 Mbit/s
+    right after the probes took 10.5–12.4 s, against 9.6–11.0 s without them."""
+    phases = range(len(plan["phases"]))
+    rounds = [(p, f"{p}-{r}", "all-reduce rounds") for p in phases for r in range(plan["rounds"])]
+    return rounds + [(p, name, "TCP probes") for p in phases for name, _, _ in tcp_probes(plan, p)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,11 +309,11 @@ def run_worker(args) -> None:
                     f.write(json.dumps(record) + "\n")
             sync.shutdown()
             sync = None
+        addresses = [((sync_dir / f"ip-{i}").read_text(), PORT) for i in range(plan["peers"])]  # written by now
         for p, phase in enumerate(plan["phases"]):  # after every all-reduce (see `starts`)
             for name, pattern, r in tcp_probes(plan, p):
                 timeout = allreduce_timeout(plan, phase)
                 start = _barrier(sync_dir, name, index, STARTUP_TIMEOUT_S + 4 * timeout)
-                addresses = [((sync_dir / f"ip-{i}").read_text(), PORT) for i in range(plan["peers"])]
                 result = probe(sink, pattern, index, addresses, numel * bytes_per_parameter(phase["codec"]), name,
                                start, timeout)
                 with open(out / f"tcp{index}.jsonl", "a") as f:
@@ -395,9 +396,8 @@ def run(args, plan: dict, out: Path) -> tuple[list[dict], list[dict]]:
                 procs.append(topology.popen(host, [*me, "--worker", str(i), "--ip", host.ip, "--initial-peers", *maddrs],
                                             stdout=subprocess.DEVNULL, stderr=open(out / f"peer{i}.log", "w"), env=env))
             shaped, announced = None, None
-            for p, name in starts(plan):
+            for p, name, what in starts(plan):
                 phase = plan["phases"][p]
-                what = "TCP probes" if "-tcp-" in name else "all-reduce rounds"
                 if (p, what) != announced:
                     print(f"{phase['mbit']:g} Mbit/s, {phase['codec']}: {plan['rounds']} {what}", file=sys.stderr,
                           flush=True)

@@ -142,11 +142,15 @@ class PlannedMatchmaking(ScreenedMatchmaking):
     def __init__(self, *args, **kwargs):
         self.join_window_end: Optional[float] = None  # loop time: the end of the window to join the leader asked now
         super().__init__(*args, **kwargs)
-        self.leading = False
-        self.began_leading = asyncio.Event()  # set while this peer leads a planned group (`leading`)
+        self.began_leading = asyncio.Event()  # set while this peer leads a planned group
         # (the token of a round, its planned members): set by the averager before the round's step
         self.planned_members: tuple[str, frozenset[str]] = ("", frozenset())
         self.follow_until: Optional[float] = None  # DHT time until which this member waits for the leader it joined
+
+    @property
+    def leading(self) -> bool:
+        """Whether this peer leads a planned group now (:meth:`_lead`)."""
+        return self.began_leading.is_set()
 
     def _plan(self) -> Optional[GroupMetadata]:
         """This peer's own metadata for the round being matched, if it holds a membership plan."""
@@ -226,7 +230,6 @@ class PlannedMatchmaking(ScreenedMatchmaking):
         leaders = self.potential_leaders
         # hivemind's rpc_join_group keeps each follower until this expiration, then runs with what it has
         leaders.declared_group_key, leaders.declared_expiration_time = key, expiration
-        self.leading = True
         self.began_leading.set()
         try:
             # declared on the DHT too, for members without a plan (an assistant) to find this leader
@@ -249,7 +252,6 @@ class PlannedMatchmaking(ScreenedMatchmaking):
                 await self.leader_disband_group()
                 return None
         finally:
-            self.leading = False
             self.began_leading.clear()
             leaders.declared_group_key, leaders.declared_expiration_time = None, float("inf")
             await self.group_key_manager.declare_averager(key, self.peer_id, expiration, looking_for_group=False)
