@@ -11,6 +11,8 @@ from p2p_diloco.sync.codecs import CODECS, E3M0Codec, bytes_per_parameter, get_c
 from p2p_diloco.train.error_feedback import ErrorFeedback
 
 NUMEL = 12345  # not a multiple of any block size (256, 64) and odd
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                              reason="needs a CUDA GPU")])
 BLOCK_CODECS = ["int8", "nf4", "fp4-bnb", "fp4-e3m0"]
 BNB_CODECS = ["int8", "nf4", "fp4-bnb"]
 
@@ -128,12 +130,16 @@ def test_non_finite_input_is_rejected_before_encoding(codec_name, bad):
 
 
 @pytest.mark.parametrize("codec_name", list(CODECS))
-def test_input_that_is_not_a_1d_float32_cpu_tensor_is_rejected(codec_name):
+def test_input_that_is_not_a_1d_float32_tensor_on_a_cpu_or_gpu_is_rejected(codec_name):
     codec = get_codec(codec_name)
-    with pytest.raises(ValueError, match="1-D float32 CPU tensor"):
+    with pytest.raises(ValueError, match="1-D float32 tensor"):
         codec.encode(torch.zeros(8, dtype=torch.float64))
-    with pytest.raises(ValueError, match="1-D float32 CPU tensor"):
+    with pytest.raises(ValueError, match="1-D float32 tensor"):
         codec.encode(torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="codes on a CPU or a CUDA GPU, not on meta"):
+        codec.encode(torch.zeros(8, device="meta"))
+    with pytest.raises(ValueError, match="codes on a CPU or a CUDA GPU, not on meta"):
+        codec.decode(codec.encode(torch.ones(8)), 8, device="meta")
     with pytest.raises(TypeError):
         codec.encode([0.0, 1.0])
     with pytest.raises(TypeError, match="expected bytes"):
@@ -330,10 +336,12 @@ DECODED_SHA256 = {  # of the float32 part each codec decodes from _wire_bytes (t
 }
 
 
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("codec_name", BLOCK_CODECS)
-def test_decode_gives_the_wire_formats_bits(codec_name):
-    decoded = get_codec(codec_name).decode(_wire_bytes(codec_name), NUMEL)
-    assert _sha256(decoded.numpy().astype("<f4").tobytes()) == DECODED_SHA256[codec_name]
+def test_decode_gives_the_wire_formats_bits(codec_name, device):
+    decoded = get_codec(codec_name).decode(_wire_bytes(codec_name), NUMEL, device=device)
+    assert decoded.device.type == device
+    assert _sha256(decoded.cpu().numpy().astype("<f4").tobytes()) == DECODED_SHA256[codec_name]
 
 
 ENCODED_SHA256 = {  # of the bytes each codec encodes from the part below (the implementations of 2026-11-25)
@@ -344,15 +352,57 @@ ENCODED_SHA256 = {  # of the bytes each codec encodes from the part below (the i
 }
 
 
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("codec_name", BLOCK_CODECS)
-def test_encode_gives_the_wire_formats_bytes(codec_name):
+def test_encode_gives_the_wire_formats_bytes(codec_name, device):
     """Every block codec's encode is IEEE arithmetic (a division or a reciprocal and a multiply, exact
     comparisons, table lookups), so a faster encode must give the same bytes as the first implementation
     of this pure-torch form: values across 22 binades, both signs, an odd length and a block of zeros."""
     part = torch.tensor([((i * 7919) % 2001 - 1000) * 2.0 ** -(i % 23) / 1000 for i in range(NUMEL)],
                         dtype=torch.float32)
     part[64:128] = 0  # a block of zeros: scale 0
-    assert _sha256(get_codec(codec_name).encode(part)) == ENCODED_SHA256[codec_name]
+    assert _sha256(get_codec(codec_name).encode(part.to(device))) == ENCODED_SHA256[codec_name]
+
+
+def _midpoints_and_neighbours(codec_name: str) -> torch.Tensor:
+    """Blocks that each begin with 1.0 (scale 1: a value is coded as it is) and go on with the points
+    where a code changes, each with its two float32 neighbours: the map's midpoints for a block codec,
+    the values halfway between two fp16 or bf16 values for those; both signs."""
+    from p2p_diloco.sync.codecs import _E3M0_MIDPOINTS, _bnb_map
+
+    if codec_name in ("fp16", "bf16"):
+        dtype = torch.float16 if codec_name == "fp16" else torch.bfloat16
+        grid = (torch.rand(4000, generator=_generator()) * 8 - 4).to(dtype)
+        points = (grid.float() + torch.nextafter(grid, torch.full_like(grid, 100.0)).float()) / 2
+    elif codec_name == "fp4-e3m0":
+        points = _E3M0_MIDPOINTS
+    elif codec_name == "none":
+        points = torch.rand(100, generator=_generator())
+    else:
+        code = _bnb_map({"int8": "dynamic", "nf4": "nf4", "fp4-bnb": "fp4"}[codec_name]).sort().values
+        points = (code[:-1] + code[1:]) / 2
+    points = torch.cat([points, torch.nextafter(points, points + 1), torch.nextafter(points, points - 1)])
+    points = torch.cat([points, -points]).clamp(-0.999, 0.999)
+    blocksize = max(get_codec(codec_name).blocksize, 2)
+    per_block = points.split(blocksize - 1)
+    return torch.cat([torch.cat([torch.ones(1), values]) for values in per_block])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", KINDS + ["midpoints"])
+@pytest.mark.parametrize("codec_name", list(CODECS))
+def test_a_gpu_encodes_the_bytes_and_decodes_the_bits_of_a_cpu(codec_name, kind):
+    """Encode and decode on a CUDA GPU give what they give on the CPU, byte for byte and bit for bit: on
+    every kind of part above (subnormal values and scales, huge values, lengths off the block grid) and on
+    the values where rounding decides between two codes."""
+    part = _midpoints_and_neighbours(codec_name) if kind == "midpoints" else _tensor(kind, codec_name)
+    codec = get_codec(codec_name)
+    on_cpu = codec.encode(part)
+    assert codec.encode(part.cuda()) == on_cpu
+    decoded = codec.decode(on_cpu, part.numel(), device="cuda")
+    assert decoded.device.type == "cuda"
+    assert torch.equal(decoded.cpu().view(torch.int32), codec.decode(on_cpu, part.numel()).view(torch.int32))
 
 
 _E3M0_LEVELS = [0.0] + [2.0**-k for k in range(6, -1, -1)]  # 0, 2^-6, ..., 1

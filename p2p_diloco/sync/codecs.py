@@ -1,4 +1,4 @@
-"""Codecs for the pseudo-gradient parts that travel in an all-reduce: 1-D float32 CPU tensors.
+"""Codecs for the pseudo-gradient parts that travel in an all-reduce: 1-D float32 tensors.
 
 Each codec turns a part into bytes and back, and states how far the round trip may move a value:
 ``|decode(encode(x)) − x| ≤ error_bound(x)``, element by element (the tests check it on the
@@ -22,7 +22,7 @@ The block codecs carry one float32 scale (the block's absolute maximum) per bloc
 bound is absmax itself in a block whose absmax is a float32 subnormal, and the fp4-e3m0 bound has
 a margin for float32 rounding (see each class).
 
-**Decode is a pure function of the bytes, the same bits on every CPU.** It runs on the CPU, with no
+**Decode is a pure function of the bytes, the same bits on every CPU.** It runs with no
 randomness and no state, from a fixed little-endian layout, and with operations whose result IEEE
 754 alone defines: the two-byte floats widen exactly to float32, and every block codec decodes a
 value as one table lookup times its block's scale, a single rounded float32 multiply
@@ -33,6 +33,16 @@ and every peer, the reducer included, decodes the same bytes, every peer ends wi
 θ_global. Encode need not be reproducible across machines (a CPU may flush subnormals when it
 converts to bf16); the bounds allow for that. The block codecs' encoders are IEEE arithmetic and table
 lookups too (``Codec.reproducible_encode``), so a reducer's audit compares their bytes, not bounds.
+
+**On a GPU, the same bytes.** ``encode`` runs on the device of the part it is given, a CPU's or a
+CUDA GPU's, and ``decode(data, numel, device)`` on the device it names (the CPU by default): every step
+is one of the IEEE operations above (CUDA's float32 division and multiply round to nearest and keep
+subnormals, as PyTorch builds its kernels) or an integer operation, so a GPU encodes the bytes a CPU
+does and decodes their bits (the CUDA cases of ``tests/test_codecs.py`` compare them, on every codec,
+on the edge cases above and on each codec's rounding points; ``benchmarks/codec_speed.py --devices
+cpu,cuda`` measures both). Only the tables move to the device, once each; the bytes always come back
+to the host. The all-reduce codes on the CPU: it runs in hivemind's averager, a process forked from
+the peer, which cannot use CUDA once the peer has (docs/benchmarks.md, "Codec throughput on a GPU").
 
 **Nothing received is trusted** (:mod:`p2p_diloco.remote_input`): ``decode`` checks the length of
 the bytes against :meth:`Codec.encoded_size` before it reads them, rejects block scales that are
@@ -48,7 +58,7 @@ import functools
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -96,7 +106,8 @@ _DYNAMIC_MAP_HEX = (
 
 @dataclass(frozen=True)
 class Codec(ABC):
-    """One way to send a 1-D float32 part; ``encode`` and ``decode`` check their inputs first."""
+    """One way to send a 1-D float32 part, on a CPU or a CUDA GPU; ``encode`` and ``decode`` check their
+    inputs first."""
 
     name: str
     # values coded together from a part's start (one scale per block; 1: each value alone). A part that
@@ -108,7 +119,7 @@ class Codec(ABC):
     reproducible_encode: bool = False
 
     def encode(self, part: torch.Tensor) -> bytes:
-        """The bytes of `part`: exactly ``encoded_size(part.numel())`` of them."""
+        """The bytes of `part`: exactly ``encoded_size(part.numel())`` of them, coded on `part`'s device."""
         part = self._checked_part(part)
         if part.numel() == 0:
             return b""
@@ -116,19 +127,21 @@ class Codec(ABC):
         assert len(data) == self.encoded_size(part.numel()), (self.name, len(data))
         return data
 
-    def decode(self, data: bytes, numel: int) -> torch.Tensor:
-        """The float32 part of `numel` values that `data` encodes; ValueError if `data` is malformed."""
+    def decode(self, data: bytes, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The float32 part of `numel` values that `data` encodes, decoded on `device` (a CPU or a CUDA
+        GPU: the same bits); ValueError if `data` is malformed."""
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"codec {self.name!r}: numel must be an int >= 0, got {numel!r}")
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"codec {self.name!r}: expected bytes, got {type(data).__name__}")
         data = bytes(data)
+        device = _codec_device(self.name, torch.device(device))
         expected = self.encoded_size(numel)
         if len(data) != expected:
             raise ValueError(f"codec {self.name!r}: a part of {numel} values is {expected} bytes, got {len(data)}")
         if numel == 0:
-            return torch.empty(0, dtype=torch.float32)
-        part = self._decode(data, numel)
+            return torch.empty(0, dtype=torch.float32, device=device)
+        part = self._decode(data, numel, device)
         bad = _non_finite(part)
         if bad:
             raise ValueError(f"codec {self.name!r}: the bytes decode to {bad} non-finite values of {numel}: "
@@ -145,23 +158,49 @@ class Codec(ABC):
 
     @abstractmethod
     def _encode(self, part: torch.Tensor) -> bytes:
-        """`part` is checked: contiguous, 1-D, float32, finite, not empty."""
+        """`part` is checked: contiguous, 1-D, float32, finite, not empty, on a CPU or CUDA device."""
 
     @abstractmethod
-    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
-        """`data` has the right length and `numel` > 0; the caller checks that the result is finite."""
+    def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
+        """`data` has the right length and `numel` > 0; the result is on `device`, and the caller checks
+        that it is finite."""
 
     def _checked_part(self, part: Any) -> torch.Tensor:
         if not isinstance(part, torch.Tensor):
             raise TypeError(f"codec {self.name!r}: expected a torch.Tensor, got {type(part).__name__}")
-        if part.dtype != torch.float32 or part.dim() != 1 or part.device.type != "cpu":
-            raise ValueError(f"codec {self.name!r}: expected a 1-D float32 CPU tensor, got "
-                             f"{part.dtype} of shape {tuple(part.shape)} on {part.device}")
+        if part.dtype != torch.float32 or part.dim() != 1:
+            raise ValueError(f"codec {self.name!r}: expected a 1-D float32 tensor, got "
+                             f"{part.dtype} of shape {tuple(part.shape)}")
+        _codec_device(self.name, part.device)
         bad = _non_finite(part)
         if bad:
             raise ValueError(f"codec {self.name!r}: the part holds {bad} non-finite values (NaN or inf) of "
                              f"{part.numel()}; a pseudo-gradient that is not finite is never sent")
         return part.contiguous()
+
+
+def _codec_device(codec: str, device: torch.device) -> torch.device:
+    """`device` if the codecs run there (a CPU, or a CUDA GPU: the devices where the tests compare their
+    bytes and bits); ValueError otherwise."""
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"codec {codec!r}: codes on a CPU or a CUDA GPU, not on {device}")
+    return device
+
+
+@functools.cache
+def _on_device(device: torch.device, make: Callable, *args) -> Any:
+    """``make(*args)``, a table of this module (a CPU tensor or a tuple of them), copied to `device`
+    once: a codec's tables live where it codes."""
+    table = make(*args)
+    if isinstance(table, tuple):
+        return tuple(t.to(device) for t in table)
+    return table.to(device)
+
+
+def _host_bytes(*tensors: torch.Tensor) -> bytes:
+    """The bytes of `tensors`, each copied to the host first (where it is on a GPU), one after another, in
+    the host's byte order: little-endian, the wire format's, on every platform torch ships for."""
+    return b"".join(t.cpu().numpy().tobytes() for t in tensors)
 
 
 def _non_finite(values: torch.Tensor) -> int:
@@ -187,10 +226,10 @@ class RawFloat32Codec(Codec):
         return torch.zeros_like(self._checked_part(part))
 
     def _encode(self, part: torch.Tensor) -> bytes:
-        return part.numpy().astype("<f4", copy=False).tobytes()
+        return part.cpu().numpy().astype("<f4", copy=False).tobytes()
 
-    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
-        return torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
+    def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
+        return torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32)).to(device)
 
 
 @dataclass(frozen=True)
@@ -228,10 +267,10 @@ class TwoByteFloatCodec(Codec):
             raise ValueError(f"codec {self.name!r}: {too_large} values exceed {self.dtype}'s largest finite value "
                              f"{largest:.6g} (max |x| = {float(part.abs().max()):.3g}); a pseudo-gradient that large "
                              "means training diverged: lower the learning rate, or use codec 'none'")
-        return part.to(self.dtype).view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+        return part.to(self.dtype).view(torch.int16).cpu().numpy().astype("<i2", copy=False).tobytes()
 
-    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
-        bits = torch.from_numpy(np.frombuffer(data, dtype="<i2").astype(np.int16))
+    def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
+        bits = torch.from_numpy(np.frombuffer(data, dtype="<i2").astype(np.int16)).to(device)
         return bits.view(self.dtype).float()  # exact: every fp16 and bf16 value is a float32 value
 
 
@@ -263,14 +302,15 @@ def _per_element(block_values: torch.Tensor, blocksize: int, numel: int) -> torc
     return block_values.repeat_interleave(blocksize)[:numel]
 
 
-def _scales_from_bytes(codec: str, data: bytes) -> torch.Tensor:
-    """The float32 block scales at the end of a part; ValueError unless each is finite and ≥ 0."""
+def _scales_from_bytes(codec: str, data: bytes, device: torch.device) -> torch.Tensor:
+    """The float32 block scales at the end of a part, on `device`; ValueError unless each is finite and ≥ 0
+    (checked on the host, before they move)."""
     scales = torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
     bad = int((~torch.isfinite(scales) | (scales < 0)).sum())
     if bad:
         raise ValueError(f"codec {codec!r}: {bad} block scales of {scales.numel()} are negative or not finite: "
                          "the part is malformed")
-    return scales
+    return scales.to(device)
 
 
 def _scaled_lookup(table: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocksize: int) -> torch.Tensor:
@@ -291,16 +331,17 @@ def _pack_nibbles(codes: torch.Tensor) -> bytes:
     if codes.numel() % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
     words = codes.view(torch.int16)
-    return (words << 4).bitwise_or_(words >> 8).to(torch.uint8).numpy().tobytes()
+    return _host_bytes((words << 4).bitwise_or_(words >> 8).to(torch.uint8))
 
 
-def _decode_nibbles(codec: str, table: torch.Tensor, data: bytes, numel: int, blocksize: int) -> torch.Tensor:
+def _decode_nibbles(codec: str, table: torch.Tensor, data: bytes, numel: int, blocksize: int,
+                    device: torch.device) -> torch.Tensor:
     """A 4-bit part: `numel` codes two per byte, the first in the high nibble (an odd numel's pad code
-    dropped), then the block scales."""
+    dropped), then the block scales; decoded on `device`, where `table` is."""
     packed_bytes = -(-numel // 2)
-    packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=packed_bytes).copy())
+    packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=packed_bytes).copy()).to(device)
     codes = torch.stack([packed >> 4, packed & 0xF], dim=1).view(-1)[:numel]
-    return _scaled_lookup(table, codes, _scales_from_bytes(codec, data[packed_bytes:]), blocksize)
+    return _scaled_lookup(table, codes, _scales_from_bytes(codec, data[packed_bytes:], device), blocksize)
 
 
 def _absmax_bound(part: torch.Tensor, blocksize: int, fraction_of_absmax: float) -> torch.Tensor:
@@ -388,12 +429,12 @@ class BlockwiseInt8Codec(Codec):
 
     def _encode(self, part: torch.Tensor) -> bytes:
         scaled, absmax = _scaled_blocks(part, self.blocksize)
-        return _nearest_codes(scaled, "dynamic").numpy().tobytes() + absmax.numpy().astype("<f4").tobytes()
+        return _host_bytes(_nearest_codes(scaled, "dynamic"), absmax)
 
-    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
-        codes = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=numel).copy())
-        absmax = _scales_from_bytes(self.name, data[numel:])
-        return _scaled_lookup(_bnb_map("dynamic"), codes, absmax, self.blocksize)
+    def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
+        codes = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=numel).copy()).to(device)
+        absmax = _scales_from_bytes(self.name, data[numel:], device)
+        return _scaled_lookup(_on_device(device, _bnb_map, "dynamic"), codes, absmax, self.blocksize)
 
 
 _PREFIX_BITS = 16  # a float32 is looked up by its 16 high bits: sign, exponent and 7 bits of mantissa
@@ -433,7 +474,7 @@ def _nearest_codes(scaled: torch.Tensor, kind: str) -> torch.Tensor:
     code at 2p + (1 if the value is above that midpoint), where "above" is the sign bit of
     midpoint − value (+0 when equal), an integer shift (a CPU compares floats into booleans several
     times slower). `scaled` is left as it was."""
-    below_and_above, midpoints = _prefix_tables(kind)
+    below_and_above, midpoints = _on_device(scaled.device, _prefix_tables, kind)
     prefix = scaled.view(torch.int32).bitwise_right_shift(32 - _PREFIX_BITS).add_(2 ** (_PREFIX_BITS - 1))
     minus_above = torch.index_select(midpoints, 0, prefix).sub_(scaled).view(torch.int32).bitwise_right_shift_(31)
     return torch.index_select(below_and_above, 0, prefix.bitwise_left_shift_(1).sub_(minus_above))
@@ -491,16 +532,22 @@ class Bnb4BitCodec(Codec):
 
     def _encode(self, part: torch.Tensor) -> bytes:
         scaled, absmax = _scaled_blocks(part, self.blocksize)
-        return _pack_nibbles(_nearest_codes(scaled, self.quant_type)) + absmax.numpy().astype("<f4").tobytes()
+        return _pack_nibbles(_nearest_codes(scaled, self.quant_type)) + _host_bytes(absmax)
 
-    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
-        return _decode_nibbles(self.name, _bnb_4bit_decode_table(self.quant_type), data, numel, self.blocksize)
+    def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
+        table = _on_device(device, _bnb_4bit_decode_table, self.quant_type)
+        return _decode_nibbles(self.name, table, data, numel, self.blocksize, device)
 
 
 # E3M0 magnitudes of codes 0..7, and the midpoints between neighbours (rounding to nearest value)
 _E3M0_MAGNITUDES = [0.0] + [2.0**e for e in range(-6, 1)]
 _E3M0_MIDPOINTS = torch.tensor([2.0**-7] + [3.0 * 2.0**e for e in range(-7, -1)], dtype=torch.float32)
 _E3M0_VALUES = torch.tensor(_E3M0_MAGNITUDES + [-m for m in _E3M0_MAGNITUDES], dtype=torch.float32)
+
+
+def _e3m0_values() -> torch.Tensor:
+    """The value of each E3M0 code (code 8 is −0), on the CPU: what :func:`_on_device` copies."""
+    return _E3M0_VALUES
 _BITS_OF_2_POW_MINUS_7 = 120 << 23  # the float32 bits of 2^-7
 
 
@@ -572,10 +619,10 @@ class E3M0Codec(Codec):
         # the sign bit (8) of the negative values that are not coded 0: x's float32 sign bit, shifted to 8
         sign = part.view(torch.int32).bitwise_right_shift(28).bitwise_and_(8)
         codes.bitwise_or_(sign.mul_(codes.clamp(max=1)))
-        return _pack_nibbles(codes) + scales.numpy().astype("<f4", copy=False).tobytes()
+        return _pack_nibbles(codes) + _host_bytes(scales)
 
-    def _decode(self, data: bytes, numel: int) -> torch.Tensor:
-        return _decode_nibbles(self.name, _E3M0_VALUES, data, numel, self.blocksize)
+    def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
+        return _decode_nibbles(self.name, _on_device(device, _e3m0_values), data, numel, self.blocksize, device)
 
 
 CODECS: dict[str, Codec] = {
