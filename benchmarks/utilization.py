@@ -28,10 +28,11 @@ Variants (names for --variants; [outer] settings, see p2p_diloco/config.py):
 - `streaming`: codec none, P fragments (P = 2 for the 2-layer demo model, 4 for the 15M one), blocking;
 - `streaming-overlap-4bit`: codec fp4-e3m0 with error feedback, P fragments, sync_delay 5, merge_alpha 0.5;
 - `overlap-max-4bit`: the same with one fragment and the longest overlap, sync_delay H − 1;
-- `defaults`: the shipped [outer] defaults;
-- `defaults-ahead`: the same with ``swarm.match_ahead = true`` (a peer says it is ready a few inner steps
-  before its Δ is taken: p2p_diloco/train/match_ahead.py).
-Every variant but the two `defaults` starts from DiLoCo's blocking fp32 sync (DILOCO) and changes what it names.
+- `defaults`: the shipped [outer] and [swarm] defaults, the lead of ``swarm.match_ahead`` included (a peer
+  says it is ready a few inner steps before its Δ is taken: p2p_diloco/train/match_ahead.py);
+- `defaults-ahead`: the same with ``swarm.match_ahead = true`` said outright (the default since issue 24);
+- `defaults-no-lead`: the same with ``swarm.match_ahead = false``.
+Every variant but the `defaults` ones starts from DiLoCo's blocking fp32 sync (DILOCO) and changes what it names.
 
 Per setting and peer, from its metrics file (`outer_step` records):
 - utilization after the first outer step: Σ inner seconds / Σ wall seconds of records 2..end (the
@@ -147,12 +148,12 @@ def variants(codecs: list[str], fragments: int) -> dict[str, dict]:
     table["streaming-overlap-4bit"] = {**DILOCO, **overlap_4bit, "fragments": fragments, "sync_delay": 5}
     table["overlap-max-4bit"] = {**DILOCO, **overlap_4bit, "sync_delay": 1000}  # lowered to H − 1
     table["defaults"] = {}
-    table["defaults-ahead"] = {}  # with SWARM_SETTINGS' change
+    table["defaults-ahead"], table["defaults-no-lead"] = {}, {}  # with SWARM_SETTINGS' change
     return table
 
 
 # variants that change [swarm] settings too (each peer's own, outside the run's fingerprint)
-SWARM_SETTINGS = {"defaults-ahead": {"match_ahead": True}}
+SWARM_SETTINGS = {"defaults-ahead": {"match_ahead": True}, "defaults-no-lead": {"match_ahead": False}}
 PHASES = ("wait", "match", "late", "allreduce", "commit", "audit")  # an outer_step record's sync_phases
 
 

@@ -262,10 +262,9 @@ class SwarmConfig:
     next_chunk_timeout: float = positive(10.0)
     commit_timeout: float = positive(15.0)
     # say "ready" a few inner steps before the pseudo-gradient is taken, so that the round's group forms while
-    # they run (from this peer's step time and its last rounds' matching time: train/match_ahead.py); false
-    # (the default: CI runs with it on had a member of a formed group that never began its all-reduce; one
-    # cause is fixed in sync/membership.py, others are not ruled out): only once it is taken
-    match_ahead: bool = boolean(False)
+    # they run (from this peer's step time and its last rounds' matching time: train/match_ahead.py); false:
+    # only once it is taken
+    match_ahead: bool = boolean(True)
     # attempts at a step's round: after a void one (a member died mid-round) the survivors average again
     # without it, so a failure costs the failed peer, not the step (p2p_diloco.train.round_sync)
     round_attempts: int = int_at_least(2, 1)
