@@ -103,9 +103,10 @@ def assert_honest_peers_sound(processes, honest: list[Path]) -> None:
     assert initial, "no honest peer recorded outer step 1"
     later: dict[int, list[float]] = {}
     for path in honest:
-        losses = [r["loss"] for r in outer_steps(path)]
+        records = outer_steps(path)
+        losses = [r["loss"] for r in records]
         assert all(math.isfinite(loss) for loss in losses), f"{path.name}: losses {losses}"
-        for r in outer_steps(path):
+        for r in records:
             if r["outer_step"] > 1:
                 later.setdefault(r["outer_step"], []).append(r["loss"])
     # θ_global is one for every honest peer (above), so one pushed far off raises every honest peer's next

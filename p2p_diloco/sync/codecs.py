@@ -226,7 +226,7 @@ class RawFloat32Codec(Codec):
         return torch.zeros_like(self._checked_part(part))
 
     def _encode(self, part: torch.Tensor) -> bytes:
-        return part.cpu().numpy().astype("<f4", copy=False).tobytes()
+        return _host_bytes(part)
 
     def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
         return torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32)).to(device)
@@ -267,7 +267,7 @@ class TwoByteFloatCodec(Codec):
             raise ValueError(f"codec {self.name!r}: {too_large} values exceed {self.dtype}'s largest finite value "
                              f"{largest:.6g} (max |x| = {float(part.abs().max()):.3g}); a pseudo-gradient that large "
                              "means training diverged: lower the learning rate, or use codec 'none'")
-        return part.to(self.dtype).view(torch.int16).cpu().numpy().astype("<i2", copy=False).tobytes()
+        return _host_bytes(part.to(self.dtype).view(torch.int16))
 
     def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
         bits = torch.from_numpy(np.frombuffer(data, dtype="<i2").astype(np.int16)).to(device)
