@@ -26,7 +26,7 @@ each peer's ID, the digests of what travelled in its agreed rounds (:mod:`p2p_di
 the peers it bans at the end, "children": every process the case started}``. It prints the runs', less
 their tensors, as one JSON line. In a run ``CODEC:ATTACK``, peer 0 is a hostile reducer: its averager
 process forks under tests/hostile_peer.py's patch for ATTACK (``garbage-reducer``,
-``equivocating-reducer`` or ``tampering-relay``), its groupmates' without it.
+``equivocating-reducer``, ``misquoting-reducer`` or ``tampering-relay``), its groupmates' without it.
 
 The test asserts on the result; this process only averages. Each case runs here rather than in the
 pytest process because every case forks a DHT and an averager process per peer, and after several
@@ -53,6 +53,7 @@ from p2p_diloco.config import SwarmConfig
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.node_runner import setup_logging
 from p2p_diloco.swarm.node import start_run_node, visible_maddrs
+from p2p_diloco.sync.audit import ReducerAudit
 from p2p_diloco.sync.exact_allreduce import ExactAllReduceRunner
 from p2p_diloco.sync.membership import Membership
 from p2p_diloco.sync.outer_sync import OuterSync, PendingDelta, RoundFailed
@@ -69,16 +70,17 @@ START = "5" * 64  # the sha256 of the global state every peer starts from
 def hostile_reducer(attack: Optional[str]):
     """tests/hostile_peer.py's patch for reducer `attack` (none if None) while the averager process that
     is created under it forks; the project's methods are restored after."""
-    patched = ("_encode_averaged", "_accumulate_parts_streaming", "rpc_relay_part")  # the seams hostile_peer patches
-    honest = {name: ExactAllReduceRunner.__dict__[name] for name in patched}
+    patched = [(ExactAllReduceRunner, "_encode_averaged"), (ExactAllReduceRunner, "_accumulate_parts_streaming"),
+               (ExactAllReduceRunner, "rpc_relay_part"), (ReducerAudit, "rpc_audit_inputs")]  # hostile_peer's seams
+    honest = {(cls, name): cls.__dict__[name] for cls, name in patched}
     if attack is not None:
         from tests.hostile_peer import PATCHES
         PATCHES[attack](attack)
     try:
         yield
     finally:
-        for name, method in honest.items():
-            setattr(ExactAllReduceRunner, name, method)
+        for (cls, name), method in honest.items():
+            setattr(cls, name, method)
 
 
 def average_rounds(runs: list[str], rounds: list[dict], samples: list[int], error_feedback: bool = False) -> dict:

@@ -37,6 +37,9 @@ averager's process (the patch is made before that process forks):
   sender and to itself (:meth:`ExactAllReduceRunner._encode_averaged`);
 * ``equivocating-reducer``: the averaged part times (i + 2) to the sender of index i, a different
   value to each sender (:meth:`ExactAllReduceRunner._accumulate_parts_streaming`; its own copy is honest);
+* ``misquoting-reducer``: reduces honestly, but serves its auditor the parts of its senders in another
+  order (each sender's parts as the next sender's: :meth:`ReducerAudit.rpc_audit_inputs`), so that the
+  results recomputed from them are wrong, and the parts are not what their senders state they sent;
 * ``tampering-relay``: as a relay of a round in groups (:mod:`p2p_diloco.sync.relay`), the averaged
   parts it forwards back to a sender, times 3 (:meth:`ExactAllReduceRunner.rpc_relay_part`).
 
@@ -60,7 +63,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 SENDER_ATTACKS = ("scale", "flip", "noise", "samples", "alie")
-REDUCER_ATTACKS = ("garbage-reducer", "equivocating-reducer")
+REDUCER_ATTACKS = ("garbage-reducer", "equivocating-reducer", "misquoting-reducer")
 GARBAGE_FACTOR = 100.0  # the garbage reducer's averaged part ×100, plus noise of 100 × its RMS
 COLLUDE_WAIT_S = 10.0  # how long an ALIE colluder waits for the others' Δ of this outer step
 COLLUDE_POLL_S = 0.2
@@ -244,6 +247,41 @@ def patch_equivocating_reducer(spec: str) -> None:
     ExactAllReduceRunner._accumulate_parts_streaming = _accumulate_parts_streaming
 
 
+def patch_misquoting_reducer(spec: str) -> None:
+    """Each sender's parts served to the auditor as the next sender's (the last sender's as the first's)."""
+    import asyncio
+    import functools
+
+    from p2p_diloco.sync.audit import ReducerAudit
+
+    honest_serve = ReducerAudit.rpc_audit_inputs
+
+    @functools.wraps(honest_serve)  # hivemind reads a handler's types from its annotations
+    async def rpc_audit_inputs(self, request, context):
+        ledger = self._ledgers.get(request.metadata.decode("ascii", errors="replace"))
+        per_sender = len(ledger.part_numels.get(self.peer_id, ())) if ledger is not None else 0
+        total = per_sender * (len(ledger.senders) if ledger is not None else 0)
+        served = honest_serve(self, request, context)
+        held = []
+        try:
+            while len(held) < total:
+                held.append(await served.__anext__())
+        except StopAsyncIteration:
+            pass
+        finally:
+            await served.aclose()
+        if len(held) != total:  # not this peer's auditor, or a round it no longer keeps: as the honest handler
+            for message in held:
+                yield message
+            return
+        say(f"attacked a round as reducer ({spec})")
+        for message in held[-per_sender:] + held[:-per_sender]:
+            yield message
+        await asyncio.sleep(self.next_chunk_timeout or self.request_timeout)  # as the honest handler: the auditor closes
+
+    ReducerAudit.rpc_audit_inputs = rpc_audit_inputs
+
+
 def numel_of(codec, nbytes: int) -> int:
     """The smallest part size that `codec` encodes to `nbytes` bytes (encoded sizes grow with the size)."""
     low, high = 1, 16 * nbytes + 16  # no codec takes less than half a byte a value
@@ -283,6 +321,7 @@ def patch_tampering_relay(spec: str) -> None:
 PATCHES: dict[str, Callable[[str], None]] = {
     "garbage-reducer": patch_garbage_reducer,
     "equivocating-reducer": patch_equivocating_reducer,
+    "misquoting-reducer": patch_misquoting_reducer,
     "tampering-relay": patch_tampering_relay,
 }
 

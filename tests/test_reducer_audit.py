@@ -170,7 +170,7 @@ def case_inputs(peers: int = 3) -> dict:
             "error_feedback": True}
 
 
-ATTACKS = ("garbage-reducer", "equivocating-reducer")  # tests/hostile_peer.py's, peer 0 the hostile reducer
+ATTACKS = ("garbage-reducer", "equivocating-reducer", "misquoting-reducer")  # tests/hostile_peer.py's, peer 0 the hostile reducer
 AUDITED_TIMEOUT_S = CASE_TIMEOUT_S + 60 * len(ATTACKS)
 
 
@@ -232,6 +232,22 @@ def test_a_reducer_that_sends_different_results_to_different_members_is_banned_b
         assert f"reducer {hostile[-8:]}" in errors[honest] and "different values to different peers" in errors[honest]
         assert result["banned"][honest] == [hostile]
     assert result["banned"][0] == []
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(AUDITED_TIMEOUT_S + 30)
+def test_a_reducer_that_misquotes_its_inputs_voids_the_round_and_is_not_convicted(audited_rounds):
+    """The reducer averages honestly but serves its auditor each sender's parts as another's. The
+    auditor fetched them and recomputed a wrong result before the reports came in, yet the senders'
+    digests are judged first: the verdict is "inputs differ" (the reducer or a sender lies), the round
+    is void, and nobody is banned."""
+    result, hostile = hostile_case("misquoting-reducer", audited_rounds)
+    errors = result["rounds"][0]["errors"]
+    auditor = next(i for i, e in enumerate(errors) if f"this peer's audit of reducer {hostile[-8:]}" in e)
+    assert auditor != 0 and INPUTS_DIFFER in errors[auditor] and WRONG_MEAN not in errors[auditor]
+    other = 3 - auditor
+    assert f"the audit of reducer {hostile[-8:]}" in errors[other] and INPUTS_DIFFER in errors[other]
+    assert result["banned"] == [[]] * 3
 
 
 @pytest.mark.swarm

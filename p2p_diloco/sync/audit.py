@@ -17,16 +17,17 @@ when they are not the same it does not say whose fault that is. So:
   the digest of what it sent (its ``outputs`` entry for itself). A member that got other bytes
   voids the round and bans it (:func:`~p2p_diloco.sync.commit.judge`): its own observation against
   the reducer's own signed word, so no groupmate can frame a reducer this way.
-* **Each reducer's result is audited.** Once every report agrees, each reducer is audited by one
-  other member (:func:`auditors`: a rotation of the sorted peer IDs by a seed every member computes
-  from the round's tokens). The auditor fetches from the reducer (:meth:`ReducerAudit.rpc_audit_inputs`,
-  which answers its auditor in that round alone) the encoded parts each sender sent it, checks them
-  against each sender's reported digest, recomputes every part with the reducer's own function
-  (:func:`~p2p_diloco.sync.robust.aggregate`, a fixed function of the decoded parts) and compares
-  with the averaged bytes it received, whose digest is the reducer's signed statement
-  (:func:`check_reducer`). Its verdict goes into its report; every member waits for every verdict
-  before it applies the round, and anything but "ok" voids it. A wrong result gets the reducer
-  banned by its auditor.
+* **Each reducer's result is audited.** Each reducer is audited by one other member
+  (:func:`auditors`: a rotation of the sorted peer IDs by a seed every member computes from the
+  round's tokens). As soon as its all-reduce is done, while the members exchange their reports, the
+  auditor fetches from the reducer (:meth:`ReducerAudit.rpc_audit_inputs`, which answers its auditor
+  in that round alone) the encoded parts each sender sent it, recomputes every part with the
+  reducer's own function (:func:`~p2p_diloco.sync.robust.aggregate`, a fixed function of the decoded
+  parts) and compares with the averaged bytes it received, whose digest is the reducer's signed
+  statement. Once every report agrees, it checks the parts against each sender's reported digest,
+  and only then does the recomputation count (:func:`check_reducer`). Its verdict goes into its
+  report; every member waits for every verdict before it applies the round, and anything but "ok"
+  voids it. A wrong result gets the reducer banned by its auditor.
 
 What this does not stop:
 
@@ -137,6 +138,9 @@ class RoundLedger:
     kept_outputs: dict[PeerID, list[bytes]] = field(default_factory=dict)  # of the reducers this peer audits
     inputs: dict[PeerID, list[bytes]] = field(default_factory=dict)  # as a reducer: each sender's parts, in order
     relayed: set[PeerID] = field(default_factory=set)  # the reducers this peer reached through a relay
+    # of the reducers this peer audits: the fetch of their inputs and the recomputation, begun as soon as
+    # this peer's all-reduce is done (ReducerAudit.prepare_audits), awaited once the round's reports agree
+    prepared: dict[PeerID, "asyncio.Task[FetchedInputs]"] = field(default_factory=dict)
 
     @classmethod
     def for_round(cls, peer_id: PeerID, token: str, tokens: dict[PeerID, str], ordered_peer_ids: Sequence[PeerID],
@@ -175,6 +179,14 @@ class RoundLedger:
         )
 
 
+@dataclass(frozen=True)
+class FetchedInputs:
+    """A reducer's inputs as it served them to its auditor, and the auditor's recomputation on them."""
+
+    parts: dict[str, list[bytes]]  # sender (base58) -> the encoded parts the reducer holds from it, in order
+    recomputed: tuple[str, str]  # (verdict, detail) of :func:`recompute_results` on these parts
+
+
 def check_reducer(codec: Codec, rule: AggregationRule, part_numels: Sequence[int], senders: Sequence[str],
                   weights: Sequence[float], inputs: dict[str, list[bytes]], input_digests: dict[str, Optional[str]],
                   outputs: Sequence[bytes]) -> tuple[str, str]:
@@ -182,21 +194,39 @@ def check_reducer(codec: Codec, rule: AggregationRule, part_numels: Sequence[int
     parts `inputs` it says each sender sent it (sender -> parts in order) and the digests the senders
     state of them (`input_digests`).
 
-    Each part is recomputed as the reducer computes it: the senders' decoded parts in sender order,
-    :func:`~p2p_diloco.sync.robust.aggregate` under `rule` with the senders' `weights`. Verdicts:
-    "inputs differ" (a sender's parts are not what it states it sent, or do not decode: the reducer
-    or the sender lies), "wrong mean" (a result is not the recomputed one), "ok". Where the auditor's own
-    encoding of a result differs from the reducer's bytes, :func:`off_values` says which values are wrong.
+    Verdicts: "inputs differ" (a sender's parts are not what it states it sent, or do not decode: the
+    reducer or the sender lies), "wrong mean" (a result is not the recomputed one), "ok". The inputs are
+    judged first (:func:`judge_inputs`): a result recomputed from inputs nobody stated convicts nobody.
     """
+    return (judge_inputs(senders, inputs, input_digests)
+            or recompute_results(codec, rule, part_numels, senders, weights, inputs, outputs))
+
+
+def judge_inputs(senders: Sequence[str], inputs: dict[str, list[bytes]],
+                 input_digests: dict[str, Optional[str]]) -> Optional[tuple[str, str]]:
+    """("inputs differ", detail) if the parts a reducer holds from a sender (`inputs`) are not those whose
+    digest that sender states it sent it (`input_digests`); None if every sender's are."""
     for sender in senders:
         if digest(inputs.get(sender, ())) != input_digests.get(sender):
             return INPUTS_DIFFER, f"the parts it holds from {sender[-8:]} are not those that sender states it sent"
+    return None
+
+
+def recompute_results(codec: Codec, rule: AggregationRule, part_numels: Sequence[int], senders: Sequence[str],
+                      weights: Sequence[float], inputs: dict[str, list[bytes]],
+                      outputs: Sequence[bytes]) -> tuple[str, str]:
+    """(verdict, detail) on a reducer's results `outputs` recomputed from `inputs` as the reducer computes
+    them: the senders' decoded parts in sender order, :func:`~p2p_diloco.sync.robust.aggregate` under
+    `rule` with the senders' `weights`. "inputs differ" if a part does not decode, "wrong mean" if a
+    result is not the recomputed one (where the auditor's own encoding of a result differs from the
+    reducer's bytes, :func:`off_values` says which values are wrong), else "ok". Whether the inputs are
+    the senders' is :func:`judge_inputs`'s question."""
     if len(outputs) != len(part_numels):  # this peer's own record of the round is short: nobody to blame
         return UNAVAILABLE, f"this peer kept {len(outputs)} of the reducer's {len(part_numels)} averaged parts"
     for index, numel in enumerate(part_numels):
         try:
             parts = [codec.decode(inputs[sender][index], numel) for sender in senders]
-        except (ValueError, IndexError) as e:
+        except (ValueError, IndexError, KeyError) as e:
             return INPUTS_DIFFER, f"part {index} of a sender does not decode: {e}"
         result = aggregate(parts, list(weights), rule)
         if codec.encode(result) == outputs[index]:
@@ -209,6 +239,12 @@ def check_reducer(codec: Codec, rule: AggregationRule, part_numels: Sequence[int
         if off:
             return WRONG_MEAN, f"averaged part {index}: {off} of {numel} values are not the {rule.name} of the inputs"
     return AUDIT_OK, ""
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """Mark a finished task's exception as seen (asyncio logs those that nobody retrieved)."""
+    if not task.cancelled():
+        task.exception()
 
 
 NEGLIGIBLE = 2.0**-100  # far below any pseudo-gradient value a run applies; above float32's subnormals
@@ -246,7 +282,20 @@ class ReducerAudit(DecentralizedAverager):
         """Keep `ledger` (averager process), and only the last :data:`KEPT_ROUNDS`."""
         self._ledgers[ledger.token] = ledger
         while len(self._ledgers) > KEPT_ROUNDS:
-            self._ledgers.popitem(last=False)
+            _, dropped = self._ledgers.popitem(last=False)
+            for task in dropped.prepared.values():
+                task.cancel()
+
+    def prepare_audits(self, ledger: RoundLedger) -> None:
+        """Begin this peer's audits of `ledger`'s round (averager process), once its all-reduce is done:
+        fetch each audited reducer's inputs and recompute its results, while the members exchange their
+        reports (:mod:`p2p_diloco.sync.commit`). The verdict waits for those reports (:meth:`audit`): the
+        senders' digests judge the inputs first. Every input is there by then: this peer holds all of
+        the reducer's averaged parts, and a reducer answers a part only once every sender's is in."""
+        for reducer, auditor in ledger.auditors.items():
+            if auditor == self.peer_id and reducer not in ledger.prepared:
+                task = ledger.prepared[reducer] = asyncio.ensure_future(self._fetch_and_recompute(ledger, reducer))
+                task.add_done_callback(_retrieved)  # a round void before its audit never asks for the verdict
 
     def _call(self, method: str, wait_s: float, stop: Optional[threading.Event] = None, **kwargs):
         """Run coroutine `method` in the averager process; its result, or None if none came within
@@ -307,15 +356,15 @@ class ReducerAudit(DecentralizedAverager):
             if ledger is None or ledger.auditors.get(reducer_id) != self.peer_id:
                 future.set_result((UNAVAILABLE, "this peer does not audit that reducer in that round"))
                 return
+            self.prepare_audits(ledger)  # begun at the all-reduce's end, unless that ended some other way
+            prepared = ledger.prepared[reducer_id]
             try:
-                inputs = await asyncio.wait_for(self._fetch_inputs(ledger, reducer_id), timeout)
+                fetched = await asyncio.wait_for(prepared, timeout)
             except Exception as e:  # a broken stream, a timeout, a refusal
                 future.set_result((UNAVAILABLE, f"could not fetch the reducer's inputs: {e!r}"))
                 return
             senders = [s.to_base58() for s in ledger.senders]
-            verdict = await asyncio.get_event_loop().run_in_executor(
-                None, check_reducer, self.codec, self.aggregation, ledger.part_numels[reducer_id], senders,
-                ledger.weights, dict(zip(senders, inputs)), input_digests, ledger.kept_outputs.get(reducer_id, []))
+            verdict = judge_inputs(senders, fetched.parts, input_digests) or fetched.recomputed
             if verdict[0] == WRONG_MEAN:
                 self.screen.ban(reducer_id, "a wrong all-reduce result", verdict[1])
             future.set_result(verdict)
@@ -325,6 +374,15 @@ class ReducerAudit(DecentralizedAverager):
             if not isinstance(e, Exception):
                 raise
 
+    async def _fetch_and_recompute(self, ledger: RoundLedger, reducer: PeerID) -> FetchedInputs:
+        """`reducer`'s inputs in `ledger`'s round (:meth:`_fetch_inputs`) and its results recomputed on them."""
+        senders = [s.to_base58() for s in ledger.senders]
+        parts = dict(zip(senders, await self._fetch_inputs(ledger, reducer)))
+        recomputed = await asyncio.get_event_loop().run_in_executor(
+            None, recompute_results, self.codec, self.aggregation, ledger.part_numels[reducer], senders,
+            ledger.weights, parts, ledger.kept_outputs.get(reducer, []))
+        return FetchedInputs(parts, recomputed)
+
     async def _fetch_inputs(self, ledger: RoundLedger, reducer: PeerID) -> list[list[bytes]]:
         """The encoded parts `reducer` holds from each sender of `ledger`'s round, in sender order. Each
         message is bounded by the size of a part in the codec (a longer one ends the fetch)."""
@@ -332,7 +390,7 @@ class ReducerAudit(DecentralizedAverager):
         chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         stub = self.get_stub(self._p2p, reducer, namespace=self.prefix)
         request = averaging_pb2.DownloadData(metadata=ledger.tokens[reducer].encode())
-        stream = await stub.rpc_audit_inputs(request)
+        stream = await asyncio.wait_for(stub.rpc_audit_inputs(request), self.request_timeout)
         inputs = []
         try:
             for _ in ledger.senders:

@@ -712,6 +712,7 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
                 f"{failed} of {runner.tensor_part_container.total_size} values were not averaged "
                 f"(a reducer failed); this peer's result differs from the group's"
             )
+        self.prepare_audits(runner.ledger)  # while the members exchange their reports
 
 
 def round_ledger(runner: ExactAllReduceRunner, metadata: dict[PeerID, GroupMetadata]) -> RoundLedger:
