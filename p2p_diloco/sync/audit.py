@@ -59,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -377,10 +378,15 @@ class ReducerAudit(DecentralizedAverager):
     async def _fetch_and_recompute(self, ledger: RoundLedger, reducer: PeerID) -> FetchedInputs:
         """`reducer`'s inputs in `ledger`'s round (:meth:`_fetch_inputs`) and its results recomputed on them."""
         senders = [s.to_base58() for s in ledger.senders]
+        began = time.monotonic()
         parts = dict(zip(senders, await self._fetch_inputs(ledger, reducer)))
+        fetched = time.monotonic()
         recomputed = await asyncio.get_event_loop().run_in_executor(
             None, recompute_results, self.codec, self.aggregation, ledger.part_numels[reducer], senders,
             ledger.weights, parts, ledger.kept_outputs.get(reducer, []))
+        logger.info("audit of reducer %s: its inputs (%.1f MB) fetched in %.2f s, its results recomputed in %.2f s",
+                    reducer.to_base58()[-8:], sum(map(len, itertools.chain(*parts.values()))) / 1e6,
+                    fetched - began, time.monotonic() - fetched)
         return FetchedInputs(parts, recomputed)
 
     async def _fetch_inputs(self, ledger: RoundLedger, reducer: PeerID) -> list[list[bytes]]:
