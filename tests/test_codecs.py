@@ -9,10 +9,9 @@ import torch._dynamo.utils
 
 from p2p_diloco.sync.codecs import CODECS, E3M0Codec, bytes_per_parameter, get_codec
 from p2p_diloco.train.error_feedback import ErrorFeedback
+from tests.cuda_marks import ON_CUDA, needs_cuda
 
 NUMEL = 12345  # not a multiple of any block size (256, 64) and odd
-ON_CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                              reason="needs a CUDA GPU")])
 BLOCK_CODECS = ["int8", "nf4", "fp4-bnb", "fp4-e3m0"]
 BNB_CODECS = ["int8", "nf4", "fp4-bnb"]
 
@@ -388,8 +387,7 @@ def _midpoints_and_neighbours(codec_name: str) -> torch.Tensor:
     return torch.cat([torch.cat([torch.ones(1), values]) for values in per_block])
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 @pytest.mark.parametrize("kind", KINDS + ["midpoints"])
 @pytest.mark.parametrize("codec_name", list(CODECS))
 def test_a_gpu_encodes_the_bytes_and_decodes_the_bits_of_a_cpu(codec_name, kind):

@@ -13,9 +13,10 @@ from p2p_diloco.train.inner import InnerTrainer, autocast_dtype, prepare_for_com
 from p2p_diloco.train.memory import GIB, ModelShape, choose_micro_batch, largest_divisor, step_memory
 from p2p_diloco.train.model import build_model
 from tests.conftest import tiny_config
+from tests.cuda_marks import NEEDS_CUDA
 from tests.test_inner_compute import CountingStream, parameters_of
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = NEEDS_CUDA
 
 VOCAB = 300
 CUDA = torch.device("cuda")

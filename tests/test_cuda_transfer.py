@@ -2,12 +2,12 @@
 per parameter, through a page-locked host buffer. Skipped without a CUDA device."""
 
 import pytest
-import torch
 
 from p2p_diloco.train.transfer import FlatTransfer, transfer_for
+from tests.cuda_marks import NEEDS_CUDA
 from tests.transfer_case import DTYPES_AND_ALPHAS, check_outer_steps, first_fragment_transfer
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = NEEDS_CUDA
 
 
 @pytest.mark.parametrize("dtype, alpha", DTYPES_AND_ALPHAS)

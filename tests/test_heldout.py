@@ -9,11 +9,10 @@ import torch
 from p2p_diloco.train.heldout import EvalSchedule, HeldoutEval, evaluate_global
 from p2p_diloco.train.model import build_model, evaluate_loss, trainable_parameters
 from tests.conftest import tiny_config
+from tests.cuda_marks import ON_CUDA
 
 CFG = tiny_config()
 VOCAB = 300
-ON_CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                              reason="needs a CUDA GPU")])
 
 
 def due_steps(schedule: EvalSchedule, steps) -> list[int]:

@@ -543,12 +543,12 @@ class Bnb4BitCodec(Codec):
 _E3M0_MAGNITUDES = [0.0] + [2.0**e for e in range(-6, 1)]
 _E3M0_MIDPOINTS = torch.tensor([2.0**-7] + [3.0 * 2.0**e for e in range(-7, -1)], dtype=torch.float32)
 _E3M0_VALUES = torch.tensor(_E3M0_MAGNITUDES + [-m for m in _E3M0_MAGNITUDES], dtype=torch.float32)
+_BITS_OF_2_POW_MINUS_7 = 120 << 23  # the float32 bits of 2^-7
 
 
 def _e3m0_values() -> torch.Tensor:
     """The value of each E3M0 code (code 8 is −0), on the CPU: what :func:`_on_device` copies."""
     return _E3M0_VALUES
-_BITS_OF_2_POW_MINUS_7 = 120 << 23  # the float32 bits of 2^-7
 
 
 def _e3m0_exponent_codes(ratio: torch.Tensor) -> torch.Tensor:
