@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from p2p_diloco.metrics import read_metrics
 from tests.conftest import TINY, Processes, read_first_line, tiny_config, write_toml
@@ -19,6 +20,26 @@ def start_bootstrap(processes: Processes, host: Host = LOOPBACK, *extra: str) ->
     maddr = read_first_line(proc)
     assert maddr.startswith(f"/ip4/{host.ip}/tcp/") and "/p2p/" in maddr, maddr
     return maddr
+
+
+@contextmanager
+def progress_pair(fingerprint: str) -> Iterator[tuple[list, list]]:
+    """Two real DHT nodes of run "test" on 127.0.0.1, the second bootstrapped from the first, each with its
+    SwarmProgress (records signed by its identity, a 30 s TTL); yields (nodes, progress) and shuts both down."""
+    from p2p_diloco.swarm.node import start_run_node, visible_maddrs
+    from p2p_diloco.swarm.progress import SwarmProgress
+
+    nodes, progress = [], []
+    try:
+        nodes.append(start_run_node("test", "127.0.0.1", 0))
+        nodes.append(start_run_node("test", "127.0.0.1", 0, initial_peers=visible_maddrs(nodes[0].dht)))
+        progress = [SwarmProgress(n.dht, "test", 30.0, n.identity.record_subkey, fingerprint) for n in nodes]
+        yield nodes, progress
+    finally:
+        for p in progress:
+            p.close()
+        for node in nodes:
+            node.dht.shutdown()
 
 
 def tiny_config_file(directory: Path, **sections) -> Path:

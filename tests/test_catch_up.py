@@ -2,7 +2,7 @@
 
 import pytest
 
-from p2p_diloco.swarm.progress import READY, TRAINING, PeerProgress, RunHistory
+from p2p_diloco.swarm.progress import KEEPING, READY, TRAINING, PeerProgress, RunHistory
 from p2p_diloco.train.catch_up import CatchUpWait, NoStateSource, behind_alone
 
 ME, OTHER = "QmMe", "QmOther"
@@ -19,6 +19,9 @@ def test_behind_alone_only_while_the_run_is_ahead_and_nobody_is_at_this_step():
     assert not behind_alone(5, ahead, {ME: record(ME, 5)}, ME)  # it holds the run's latest step: it goes on
     assert not behind_alone(0, None, {ME: record(ME, 0)}, ME)  # a run with no history: it starts it
     assert behind_alone(3, ahead, {ME: record(ME, 3), OTHER: record(OTHER, 5)}, ME)  # live peers ahead only
+    # the keeper it loaded step 3 from is still there, while the run's peers are at step 5: it never averages
+    assert behind_alone(3, ahead, {ME: record(ME, 3), "QmKeeper": record("QmKeeper", 3, KEEPING),
+                                   OTHER: record(OTHER, 5)}, ME)
 
 
 def test_the_wait_is_bounded_and_ends_with_one_line_that_says_what_to_do():

@@ -113,4 +113,7 @@ def test_the_keeper_follows_a_run_nobody_can_dial_and_serves_a_natted_joiner(pro
     wait_until(lambda: len(outer_steps(late)) >= 1, 240, "an outer step of the joiner")
     loaded = [r for r in read_metrics(late) if r["event"] == "state_loaded"]
     assert loaded and loaded[0]["source"] == "keeper", loaded
+    # it may load a step the run's peers have just left (the keeper gets the next one a moment after
+    # them): it then waits for that one, and never steps alone while they train
+    assert all(r["group_size"] > 1 for r in outer_steps(late)), outer_steps(late)
     assert_consistent(peers + [late])

@@ -12,10 +12,9 @@ import threading
 
 import pytest
 
-from p2p_diloco.swarm.node import start_run_node, visible_maddrs
-from p2p_diloco.swarm.progress import READY, TRAINING, SwarmProgress
+from p2p_diloco.swarm.progress import READY, TRAINING
 from p2p_diloco.train.round_sync import ROUND_STOPPED, RoundSync
-from tests.swarm_helpers import wait_until
+from tests.swarm_helpers import progress_pair, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,12 +26,7 @@ def sha(text: str) -> str:
 
 
 def test_a_round_not_applied_names_its_reason():
-    nodes = []
-    progress = []
-    try:
-        nodes.append(start_run_node("test", "127.0.0.1", 0))
-        nodes.append(start_run_node("test", "127.0.0.1", 0, initial_peers=visible_maddrs(nodes[0].dht)))
-        progress = [SwarmProgress(n.dht, "test", 30.0, n.identity.record_subkey, FINGERPRINT) for n in nodes]
+    with progress_pair(FINGERPRINT) as (nodes, progress):
         me = nodes[0].dht.peer_id.to_base58()
         progress[0].publish(3, sha("mine"), READY)
         progress[1].publish(4, sha("theirs"), TRAINING)  # the other peer applied outer step 4 already
@@ -46,11 +40,6 @@ def test_a_round_not_applied_names_its_reason():
         stopping.set()
         stopped = RoundSync(progress[0], None, me, "direct", 10.0, stopping)(3, 0, [], 4, sha("mine"))
         assert stopped.result is None and stopped.event == ROUND_STOPPED and "stopping" in stopped.reason
-    finally:
-        for p in progress:
-            p.close()
-        for node in nodes:
-            node.dht.shutdown()
 
 
 @pytest.mark.timeout(200)

@@ -18,7 +18,8 @@ From these records a peer decides (see :func:`plan_round`):
 
 A record that claims a state nobody serves (a failed download found no donor of it), or one that this
 peer does not trust enough to load (:mod:`p2p_diloco.train.state_check`), is set aside until its author
-publishes another state: a stranger's false claim cannot stall the run. A state that failed the state
+publishes another state, or until this peer loads that state (:meth:`SwarmProgress.served`): a
+stranger's false claim cannot stall the run. A state that failed the state
 check, and every record of an identity that served a malformed or refused state, are ignored for the
 rest of the run (:meth:`SwarmProgress.refuse`).
 """
@@ -193,6 +194,14 @@ class SwarmProgress:
             self._unverified[peer_id] = claim
             logger.warning("setting aside the record of peer %s: it claims outer step %d (%s) but %s",
                            peer_id, claim[0], claim[1][:12], why)
+
+    def served(self, outer_step: int, sha256: str) -> None:
+        """This peer holds the state (`outer_step`, `sha256`) now, checked: the records set aside for claiming it
+        count again. Only a keeper serves an unreachable peer's state (once that peer pushed it), so a joiner
+        may set such records aside for a moment, then load their state from the keeper; left aside, they
+        would hide its groupmates, and it would step alone: a second history of the run."""
+        self._unverified = {peer: claim for peer, claim in self._unverified.items()
+                            if claim != (outer_step, sha256)}
 
     def refuse(self, sha256: Optional[str] = None, peers: Sequence[str] = ()) -> None:
         """Ignore for the rest of the run every record that claims the state `sha256` (it failed the state

@@ -8,10 +8,11 @@ away as soon as a peer with the real state returns, or which silently restarts t
 
 So a peer that sees the run ahead of its own step (a record at a later outer step, of a peer live or
 gone, while the DHT still holds it: :meth:`~p2p_diloco.swarm.progress.SwarmProgress.history`) and
-has no live peer at its own step to average with does not train: it tries again to load the run's
-state from peers (and from the run's checkpoint store, where it has one), every few seconds, for at
-most ``swarm.state_wait_timeout``; then it stops with one line that says what it saw and what to do
-(:class:`NoStateSource`, exit status 5). Training from scratch is for a run with no history.
+has no live peer at its own step to average with (a keeper there is none: it never averages) does
+not train: it tries again to load the run's state from peers (and from the run's checkpoint store,
+where it has one), every few seconds, for at most ``swarm.state_wait_timeout``; then it stops with
+one line that says what it saw and what to do (:class:`NoStateSource`, exit status 5). Training from
+scratch is for a run with no history.
 
 Records are signed but anyone can write one: a single identity that claims a later outer step
 makes the first peer of a new run wait and stop the same way. That costs a run its start, never its
@@ -24,7 +25,7 @@ import logging
 import time
 from typing import Callable, Mapping, Optional
 
-from p2p_diloco.swarm.progress import PeerProgress, RunHistory
+from p2p_diloco.swarm.progress import KEEPING, PeerProgress, RunHistory
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +39,12 @@ class NoStateSource(RuntimeError):
 def behind_alone(own_step: int, history: Optional[RunHistory], records: Mapping[str, PeerProgress],
                  peer_id: str) -> bool:
     """Whether the run is ahead of `own_step` (by the records this peer has seen) while no other live peer
-    (`records`, this one's own left out) is at that step: this peer then has nobody to average with but
-    itself, and must not train."""
+    (`records`, this one's own left out) that trains is at that step: this peer then has nobody to average
+    with but itself, and must not train. A keeper at that step does not count: it never averages."""
     if history is None or history.outer_step <= own_step:
         return False
-    return not any(pid != peer_id and record.outer_step == own_step for pid, record in records.items())
+    return not any(pid != peer_id and record.outer_step == own_step and record.phase != KEEPING
+                   for pid, record in records.items())
 
 
 class CatchUpWait:

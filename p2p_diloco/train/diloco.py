@@ -698,6 +698,7 @@ class DiLoCoPeer:
             self.island.changed(self.inner.steps_done)
             self.rounds_not_applied = 0
             self._after_state_change()
+        self.progress.served(outer_step, self.sha256)
         self.progress.publish(self.global_model.outer_step, self.sha256, self.idle_phase)
         self.view.training(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done)
         self.metrics.write("state_loaded", outer_step=outer_step, global_sha256=self.sha256, reason=reason,
