@@ -170,7 +170,8 @@ def case_inputs(peers: int = 3) -> dict:
             "error_feedback": True}
 
 
-ATTACKS = ("garbage-reducer", "equivocating-reducer", "misquoting-reducer")  # tests/hostile_peer.py's, peer 0 the hostile reducer
+# tests/hostile_peer.py's, peer 0 the hostile reducer
+ATTACKS = ("garbage-reducer", "equivocating-reducer", "misquoting-reducer")
 AUDITED_TIMEOUT_S = CASE_TIMEOUT_S + 60 * len(ATTACKS)
 
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
@@ -45,8 +45,8 @@ from p2p_diloco.swarm.records import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRAINING", "READY", "LOADING", "KEEPING", "LEFT", "PeerProgress", "SwarmProgress", "RoundPlan", "plan_round",
-           "AveragingPlan", "plan_averaging"]
+__all__ = ["TRAINING", "READY", "LOADING", "KEEPING", "LEFT", "PeerProgress", "SwarmProgress", "RoundPlan",
+           "plan_round", "AveragingPlan", "averaging_peers", "plan_averaging"]
 
 
 @dataclass(frozen=True)
@@ -352,6 +352,11 @@ class AveragingPlan:
     reason: str = ""
 
 
+def averaging_peers(records: Mapping[str, PeerProgress], peer_id: str) -> list[PeerProgress]:
+    """The records of the other peers this one may average with, at whatever step: a keeper never averages."""
+    return [r for pid, r in records.items() if pid != peer_id and r.phase != KEEPING]
+
+
 def plan_averaging(records: dict[str, PeerProgress], outer_step: int, peer_id: str, reachability: str) -> AveragingPlan:
     """Decide from the progress records how this peer averages toward `outer_step + 1`.
 
@@ -360,7 +365,7 @@ def plan_averaging(records: dict[str, PeerProgress], outer_step: int, peer_id: s
     this step is unreachable, nobody of them can reduce: the round needs an assistant, a reachable
     node that reduces for them.
     """
-    others = [r for pid, r in records.items() if pid != peer_id and r.phase != KEEPING]  # a keeper never averages
+    others = averaging_peers(records, peer_id)
     groupmates = [r for r in others if r.outer_step == outer_step]
     if not groupmates:
         if others:

@@ -143,6 +143,10 @@ class RoundLedger:
     # this peer's all-reduce is done (ReducerAudit.prepare_audits), awaited once the round's reports agree
     prepared: dict[PeerID, "asyncio.Task[FetchedInputs]"] = field(default_factory=dict)
 
+    def sender_names(self) -> list[str]:
+        """The senders' peer IDs in base58, in sender order: the keys of an audit's inputs and digests."""
+        return [sender.to_base58() for sender in self.senders]
+
     @classmethod
     def for_round(cls, peer_id: PeerID, token: str, tokens: dict[PeerID, str], ordered_peer_ids: Sequence[PeerID],
                   senders: Sequence[PeerID], weights: dict[PeerID, float],
@@ -364,8 +368,7 @@ class ReducerAudit(DecentralizedAverager):
             except Exception as e:  # a broken stream, a timeout, a refusal
                 future.set_result((UNAVAILABLE, f"could not fetch the reducer's inputs: {e!r}"))
                 return
-            senders = [s.to_base58() for s in ledger.senders]
-            verdict = judge_inputs(senders, fetched.parts, input_digests) or fetched.recomputed
+            verdict = judge_inputs(ledger.sender_names(), fetched.parts, input_digests) or fetched.recomputed
             if verdict[0] == WRONG_MEAN:
                 self.screen.ban(reducer_id, "a wrong all-reduce result", verdict[1])
             future.set_result(verdict)
@@ -377,7 +380,7 @@ class ReducerAudit(DecentralizedAverager):
 
     async def _fetch_and_recompute(self, ledger: RoundLedger, reducer: PeerID) -> FetchedInputs:
         """`reducer`'s inputs in `ledger`'s round (:meth:`_fetch_inputs`) and its results recomputed on them."""
-        senders = [s.to_base58() for s in ledger.senders]
+        senders = ledger.sender_names()
         began = time.monotonic()
         parts = dict(zip(senders, await self._fetch_inputs(ledger, reducer)))
         fetched = time.monotonic()

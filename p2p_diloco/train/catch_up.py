@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Callable, Mapping, Optional
 
-from p2p_diloco.swarm.progress import KEEPING, PeerProgress, RunHistory
+from p2p_diloco.swarm.progress import PeerProgress, RunHistory, averaging_peers
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +43,7 @@ def behind_alone(own_step: int, history: Optional[RunHistory], records: Mapping[
     with but itself, and must not train. A keeper at that step does not count: it never averages."""
     if history is None or history.outer_step <= own_step:
         return False
-    return not any(pid != peer_id and record.outer_step == own_step and record.phase != KEEPING
-                   for pid, record in records.items())
+    return not any(record.outer_step == own_step for record in averaging_peers(records, peer_id))
 
 
 class CatchUpWait:
