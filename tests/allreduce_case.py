@@ -14,7 +14,10 @@ round is matched ahead of its Δ, handed over that long after), or ``"abandon"``
 after: :class:`~p2p_diloco.sync.outer_sync.PendingDelta`),
 "outer_step": optional, the step the peers average toward the next of (the round's index if absent)}, ...],
 "samples": one int per peer,
-"error_feedback": bool}``. It
+"error_feedback": bool, "aggregation": optional, the reducers' rule (``outer.aggregation``, with its
+defaults; DiLoCo's "mean" if absent), "assistant": optional, true for peers that all average as clients
+(nobody can dial them) and an assistant on a DHT node of its own that reduces for them in every round
+(:mod:`p2p_diloco.sync.assistant`), as a bootstrap node does}``. It
 starts one DHT node per peer on 127.0.0.1 and, for each RUN in turn, one :class:`OuterSync` in its
 codec per peer, which averages once per round, as the training loop does: a round that fails leaves
 its Δ owed to the next one, and with error feedback each peer sends Δ + e and commits what the group
@@ -53,10 +56,13 @@ from p2p_diloco.config import SwarmConfig
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.node_runner import setup_logging
 from p2p_diloco.swarm.node import start_run_node, visible_maddrs
+from p2p_diloco.swarm.records import AssistanceRequest
+from p2p_diloco.sync.assistant import Assistant
 from p2p_diloco.sync.audit import ReducerAudit
 from p2p_diloco.sync.exact_allreduce import ExactAllReduceRunner
 from p2p_diloco.sync.membership import Membership
 from p2p_diloco.sync.outer_sync import OuterSync, PendingDelta, RoundFailed
+from p2p_diloco.sync.robust import AggregationRule
 from p2p_diloco.train.error_feedback import ErrorFeedback
 
 # about the timeouts of the tests' tiny run (tests/conftest.py): one round is over, or failed, within ~80 s
@@ -83,12 +89,12 @@ def hostile_reducer(attack: Optional[str]):
             setattr(cls, name, method)
 
 
-def average_rounds(runs: list[str], rounds: list[dict], samples: list[int], error_feedback: bool = False) -> dict:
+def average_rounds(runs: list[str], case: dict) -> dict:
     """The case's rounds once per run of `runs` (a codec, or CODEC:ATTACK: peer 0 a hostile reducer), among
-    the same DHT nodes (one per peer): each run's averagers are started, average every round and are shut
-    down before the next run's, so that a case of several runs pays for the nodes' start once. The result
-    of each run by run, and every process the case started."""
-    peers = len(samples)
+    the same DHT nodes (one per peer, and the assistant's): each run's averagers are started, average every
+    round and are shut down before the next run's, so that a case of several runs pays for the nodes' start
+    once. The result of each run by run, and every process the case started."""
+    peers = len(case["samples"]) + bool(case.get("assistant"))
     nodes, children, results = [], {}, {}
     try:
         for _ in range(peers):
@@ -97,8 +103,7 @@ def average_rounds(runs: list[str], rounds: list[dict], samples: list[int], erro
         node_pids = set(process_tree.descendant_pids(os.getpid()))  # the DHT processes and their p2pd
         for run in runs:
             codec, _, attack = run.partition(":")
-            results[run] = average_in(codec, nodes, rounds, samples, error_feedback, attack or None, node_pids,
-                                      children)
+            results[run] = average_in(codec, nodes, case, attack or None, node_pids, children)
     finally:
         # the DHT processes and p2pd, torch's shared-memory manager (the runs' averagers are stopped already)
         running = process_tree.descendant_pids(os.getpid())
@@ -116,24 +121,31 @@ def started(pids: list[int]) -> dict[int, Optional[int]]:
     return {pid: process_tree.start_ticks(pid) for pid in pids}
 
 
-def average_in(codec: str, nodes: list, rounds: list[dict], samples: list[int], error_feedback: bool,
-               hostile: Optional[str], node_pids: set[int], children: dict[int, Optional[int]]) -> dict:
-    """The rounds in `codec`, with an averager per node of `nodes`; its processes (those not in `node_pids`)
-    are added to `children` and stopped before this returns."""
+def average_in(codec: str, nodes: list, case: dict, hostile: Optional[str], node_pids: set[int],
+               children: dict[int, Optional[int]]) -> dict:
+    """The case's rounds in `codec`, with an averager per node of `nodes` (the last one an assistant's if the
+    case has one); its processes (those not in `node_pids`) are added to `children` and stopped before
+    this returns."""
+    rounds, samples, error_feedback = case["rounds"], case["samples"], case.get("error_feedback", False)
+    rule = AggregationRule(case.get("aggregation", "mean"))
     shapes = [t.shape for t in rounds[0]["inputs"][0]]
     indices = list(range(len(shapes)))
     syncs = []
+    assistant = None
     peers = len(samples)
     feedback = [ErrorFeedback(shapes) if error_feedback else None for _ in range(peers)]
     owed: list = [None] * peers  # each peer's Δ of rounds that applied nothing: it stays in θ_local
     outcomes = []
     try:
-        for i, node in enumerate(nodes):
+        for i, node in enumerate(nodes[:peers]):
             with hostile_reducer(hostile if i == 0 else None):
                 syncs.append(OuterSync(node.dht, "exact", "f" * 64, node.identity.record_subkey, shapes, CFG,
-                                       state_provider=lambda: ({}, []), codec=codec, record_sent=error_feedback))
+                                       state_provider=lambda: ({}, []), client_mode=bool(case.get("assistant")),
+                                       codec=codec, aggregation=rule, record_sent=error_feedback))
+        if case.get("assistant"):
+            assistant = Assistant(nodes[peers].dht, assistance_request(shapes, codec, rule))
         for step, round_ in enumerate(rounds):
-            outcomes.append(average_round(syncs, feedback, owed, indices, round_, samples, step))
+            outcomes.append(average_round(syncs, feedback, owed, indices, round_, samples, step, assistant))
         traffic = [(s.averager.traffic.sent, s.averager.traffic.received) for s in syncs]
         banned = [s.averager.banned_peers() for s in syncs]
     finally:
@@ -141,6 +153,8 @@ def average_in(codec: str, nodes: list, rounds: list[dict], samples: list[int], 
         children.update(averagers)
         for s in syncs:
             s.shutdown()
+        if assistant is not None:
+            assistant.close()
         process_tree.stop_processes(process_tree.without_torch_shm_manager(list(averagers)))
     return {
         "codec": codec,
@@ -155,9 +169,19 @@ def average_in(codec: str, nodes: list, rounds: list[dict], samples: list[int], 
     }
 
 
+def assistance_request(shapes: list, codec: str, rule: AggregationRule) -> AssistanceRequest:
+    """What the case's peers would ask of a bootstrap node: its assistant joins their groups."""
+    return AssistanceRequest(run="exact", fingerprint="f" * 64, shapes=[list(shape) for shape in shapes],
+                             matchmaking_time=CFG.matchmaking_time, request_timeout=CFG.request_timeout,
+                             allreduce_timeout=CFG.allreduce_timeout, next_chunk_timeout=CFG.next_chunk_timeout,
+                             codec=codec, aggregation=rule.name, clip_factor=rule.clip_factor,
+                             clip_iterations=rule.clip_iterations, trim_fraction=rule.trim_fraction, time=time.time())
+
+
 def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: list[int], round_: dict,
-                  samples: list[int], step: int) -> dict:
-    """One round toward outer step `step` + 1, each peer in a thread of its own, as the training loop runs it."""
+                  samples: list[int], step: int, assistant: Optional[Assistant] = None) -> dict:
+    """One round toward outer step `step` + 1, each peer in a thread of its own, as the training loop runs
+    it, and the assistant's (if any) in another."""
     peers = len(syncs)
     step = round_.get("outer_step", step)
     for sync in syncs:
@@ -188,6 +212,9 @@ def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: l
             ef.commit(indices, to_send[i], results[i].sent)
 
     threads = [threading.Thread(target=average, args=(i,), daemon=True) for i in range(peers)]
+    if assistant is not None:
+        threads.append(threading.Thread(target=assistant.reduce_round, args=(step, round_["starts"][0], peers),
+                                        daemon=True))
     for t in threads:
         t.start()
     deadline = time.monotonic() + ROUND_WAIT_S
@@ -249,7 +276,7 @@ def main() -> None:
     # killed (on timeout), this process takes its DHT, averager and p2pd processes with it
     process_tree.children_exit_with_this_process()
     case = torch.load(case_dir / "inputs.pt")
-    results = average_rounds(runs, case["rounds"], case["samples"], case.get("error_feedback", False))
+    results = average_rounds(runs, case)
     torch.save(results, case_dir / "result.pt")
     print(json.dumps({run: summary(result) for run, result in results["runs"].items()}), flush=True)
 

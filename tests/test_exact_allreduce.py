@@ -390,3 +390,34 @@ def test_a_round_through_relays_gives_every_peer_the_bytes_of_a_flat_round(tmp_p
     # each peer reaches directly only the others of its group and column
     assert not any(digests["relayed"] for digests in flat["digests"])
     assert all(digests["relayed"] for digests in relayed["digests"]), relayed["digests"]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(CASE_TIMEOUT_S + 30)
+def test_an_assistant_reduces_for_peers_nobody_can_dial_and_counts_no_part_of_its_own(tmp_path):
+    """A bootstrap node's assistant (p2p_diloco.sync.assistant) is hivemind's auxiliary member: it reduces
+    and sends nothing. hivemind 1.1.12 made it a sender of its zeros with weight 0, which a robust rule
+    counts: in a group of one peer and the assistant the reduction divided by zero (the claims' median
+    was 0), and in a group of three the zeros moved CenteredClip's median. Here, under CenteredClip, a lone
+    peer's round with the assistant gives back its own Δ, and three peers sending 1, 2 and 3 everywhere
+    (each within the radius of the median, 2) get their weighted mean, 2, exactly."""
+    generator = torch.Generator().manual_seed(3)
+    lone = [torch.randn(s, generator=generator) * 1e-2 for s in SHAPES]
+    cases = {
+        "lone": {"rounds": [{"inputs": [lone], "starts": [START]}], "samples": [40]},
+        "three": {"rounds": [{"inputs": [[torch.full(s, float(v)) for s in SHAPES] for v in (1, 2, 3)],
+                              "starts": [START] * 3}], "samples": [40, 40, 40]},
+    }
+
+    def run(name: str) -> dict:
+        (case_dir := tmp_path / name).mkdir()
+        return run_case("none", {**cases[name], "aggregation": "centered-clip", "assistant": True}, case_dir)
+
+    with ThreadPoolExecutor(len(cases)) as pool:  # the two processes at once
+        results = dict(zip(cases, pool.map(run, cases)))
+    (alone,), (three,) = results["lone"]["rounds"], results["three"]["rounds"]
+    assert alone["errors"] == [None] and alone["group_size"] == [1], alone["errors"]
+    assert all(torch.equal(mean, sent) for mean, sent in zip(alone["means"][0], lone))
+    assert three["errors"] == [None] * 3 and three["group_size"] == [3] * 3, three["errors"]
+    assert three["group_samples"] == [120] * 3
+    assert all(torch.equal(mean, torch.full(s, 2.0)) for means in three["means"] for mean, s in zip(means, SHAPES))

@@ -123,9 +123,11 @@ class Assistant:
                 continue
             step = self._rounds.next_round(records)
             if step is not None:
-                self._reduce_round(step, agreed_sha256({r.peer_id: r for r in records}, step), len(records))
+                self.reduce_round(step, agreed_sha256({r.peer_id: r for r in records}, step), len(records))
 
-    def _reduce_round(self, outer_step: int, global_sha256: str, peers: int) -> None:
+    def reduce_round(self, outer_step: int, global_sha256: str, peers: int) -> None:
+        """Join the round toward outer step `outer_step` + 1 of the `peers` peers that start from
+        `global_sha256`, and reduce for them; bounded by the round's timeouts, and never raises."""
         self.averager.set_group_bits(group_bits(outer_step))
         timeout = round_timeout(self.request)
         gather = dict(outer_step=outer_step, global_sha256=global_sha256, samples=0, token=secrets.token_hex(8),

@@ -676,6 +676,7 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
+            modes=averaging_modes(group_info.peer_ids, metadata, kwargs["peer_fractions"]),
             traffic=self.traffic,
             sender_weights={peer_id: float(meta.samples) for peer_id, meta in metadata.items()},
             screen=self.screen,
@@ -713,6 +714,24 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
                 f"(a reducer failed); this peer's result differs from the group's"
             )
         self.prepare_audits(runner.ledger)  # while the members exchange their reports
+
+
+def averaging_modes(peer_ids: Sequence[PeerID], metadata: dict[PeerID, GroupMetadata],
+                    peer_fractions: Sequence[float]) -> tuple[AveragingMode, ...]:
+    """Each member's part in the all-reduce: an assistant reduces and sends nothing (hivemind's AUX), a
+    member with no share of the parts only sends (CLIENT), any other both (NODE).
+
+    hivemind 1.1.12 reads every member's mode from the gathered data and then drops it: its
+    ``_aggregate_with_group`` passes the runner no ``modes``, and the runner derives them from the
+    shares alone, so an auxiliary member became a sender of its zero tensors with weight 0. Under a
+    robust rule those zeros counted as a sender's part: they moved the coordinate median and the
+    radius of an assisted round toward 0, and in a round of one peer and an assistant the median of
+    the claims [0, w] capped both at 0 and the reduction divided by zero (the round failed, and that
+    peer fell behind a run nobody could serve it the state of)."""
+    return tuple(
+        AveragingMode.AUX if metadata[peer_id].role == "assistant"
+        else AveragingMode.CLIENT if fraction == 0 else AveragingMode.NODE
+        for peer_id, fraction in zip(peer_ids, peer_fractions))
 
 
 def round_ledger(runner: ExactAllReduceRunner, metadata: dict[PeerID, GroupMetadata]) -> RoundLedger:
