@@ -23,9 +23,9 @@ def start_bootstrap(processes: Processes, host: Host = LOOPBACK, *extra: str) ->
 
 
 @contextmanager
-def progress_pair(fingerprint: str) -> Iterator[tuple[list, list]]:
+def progress_pair(fingerprint: str, ttl: float = 30.0) -> Iterator[tuple[list, list]]:
     """Two real DHT nodes of run "test" on 127.0.0.1, the second bootstrapped from the first, each with its
-    SwarmProgress (records signed by its identity, a 30 s TTL); yields (nodes, progress) and shuts both down."""
+    SwarmProgress (records signed by its identity, a `ttl` s TTL); yields (nodes, progress) and shuts both down."""
     from p2p_diloco.swarm.node import start_run_node, visible_maddrs
     from p2p_diloco.swarm.progress import SwarmProgress
 
@@ -33,7 +33,7 @@ def progress_pair(fingerprint: str) -> Iterator[tuple[list, list]]:
     try:
         nodes.append(start_run_node("test", "127.0.0.1", 0))
         nodes.append(start_run_node("test", "127.0.0.1", 0, initial_peers=visible_maddrs(nodes[0].dht)))
-        progress = [SwarmProgress(n.dht, "test", 30.0, n.identity.record_subkey, fingerprint) for n in nodes]
+        progress = [SwarmProgress(n.dht, "test", ttl, n.identity.record_subkey, fingerprint) for n in nodes]
         yield nodes, progress
     finally:
         for p in progress:

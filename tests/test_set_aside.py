@@ -2,6 +2,9 @@
 peer holds that state (it loaded it, from a keeper say): then the record counts again, and its author is a
 groupmate, not a peer this one cannot see (issue 20's keeper test: a joiner that stepped alone).
 
+A record also stays in the run's history once it expired: a peer that the run left behind does not take
+the run's next steps alone because the peers that took them have gone (CI: a NATed peer whose round failed).
+
 Two real DHT nodes on 127.0.0.1 with signed progress records.
 """
 
@@ -39,3 +42,17 @@ def test_a_set_aside_claim_counts_again_once_this_peer_holds_its_state_or_its_au
         mine.set_aside({author: (4, sha("step 4"))})
         theirs.publish(5, sha("step 5"), TRAINING)  # its author moved on: its new claim counts
         wait_until(lambda: author in mine.fetch() and mine.fetch()[author].outer_step == 5, 30, "the new claim")
+
+
+def test_the_runs_history_outlives_the_records_it_was_read_from():
+    with progress_pair(FINGERPRINT, ttl=3.0) as (nodes, (mine, theirs)):
+        author = nodes[1].dht.peer_id.to_base58()
+        mine.publish(1, sha("step 1"), TRAINING)
+        theirs.publish(4, sha("step 4"), TRAINING)
+        wait_until(lambda: author in mine.fetch(), 30, "the other peer's record")
+        assert mine.history().outer_step == 4
+        theirs.close()  # it stops keeping its record fresh: it expires within the TTL
+        wait_until(lambda: author not in mine.fetch(), 30, "the record to expire")
+        history = mine.history()
+        assert history is not None and (history.outer_step, history.peers) == (4, 1)
+        assert history.age_s >= 3.0  # and it says how old

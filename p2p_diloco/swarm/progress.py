@@ -66,10 +66,11 @@ class PeerProgress:
 
 @dataclass(frozen=True)
 class RunHistory:
-    """The latest outer step this peer has seen the run at, from the progress records on the DHT."""
+    """The latest outer step this peer has seen the run at, from the progress records it read on the DHT
+    (those expired since included)."""
 
     outer_step: int
-    peers: int  # how many peers' records are at that step (live or gone)
+    peers: int  # how many peers' records are at that step (live, gone or expired)
     age_s: float  # seconds since the newest of them was written
 
 
@@ -101,6 +102,8 @@ def _read_expiring(dht: DHT, key: str, fingerprint: str) -> Iterator[tuple[PeerP
         if record is not None:
             yield record, expiration
 
+
+MAX_REMEMBERED = 1024  # authors whose latest record a peer keeps for the run's history once it expired
 
 Seen = dict[str, tuple[PeerProgress, float]]  # peer ID -> its latest record seen, and when that record expires
 
@@ -138,6 +141,7 @@ class SwarmProgress:
         self._refused_states: set[str] = set()  # sha256 of states this peer refused after downloading them
         self._distrusted: set[str] = set()  # identities that served a malformed or refused state
         self._seen: Seen = {}  # every record read and not yet expired (merge_seen)
+        self._remembered: dict[str, PeerProgress] = {}  # each author's latest record read, expired or not (history)
         # the live records that the last fetch left out because they were set aside (set_aside): no plan
         # targets their claims, but they are peers of the run, and the state check counts them as dissent
         self.set_aside_records: dict[str, PeerProgress] = {}
@@ -158,6 +162,7 @@ class SwarmProgress:
         records = {}
         self.set_aside_records = {}
         self._seen = merge_seen(self._seen, _read_expiring(self.dht, self.key, self.fingerprint), get_dht_time())
+        self._remember(record for record, _ in self._seen.values())
         for record, _ in self._seen.values():
             if record.phase == LEFT:
                 continue
@@ -171,12 +176,29 @@ class SwarmProgress:
             records[record.peer_id] = record
         return records
 
+    def _remember(self, records: Iterable[PeerProgress]) -> None:
+        """Keep each author's latest of `records` for :meth:`history`, beyond its expiration; at most
+        :data:`MAX_REMEMBERED` authors, those whose latest record is newest."""
+        for record in records:
+            held = self._remembered.get(record.peer_id)
+            if held is None or record.time >= held.time:
+                self._remembered[record.peer_id] = record
+        if len(self._remembered) > MAX_REMEMBERED:
+            newest = sorted(self._remembered.values(), key=lambda r: r.time)[-MAX_REMEMBERED:]
+            self._remembered = {record.peer_id: record for record in newest}
+
     def history(self) -> Optional[RunHistory]:
-        """The latest outer step at which this peer has seen the run, from every record read and not yet
-        expired, of peers live or gone (LEFT), this one's own and the loading ones left out (a loading
-        peer holds no state of that step yet), and so are records of distrusted peers or refused states;
-        None if there is none (:mod:`p2p_diloco.train.catch_up`)."""
-        held = [record for record, _ in self._seen.values()
+        """The latest outer step at which this peer has seen the run, from every record it read (:meth:`fetch`),
+        of peers live, gone (LEFT) or whose record has expired since; this one's own and the loading ones left
+        out (a loading peer holds no state of that step yet), and so are records of distrusted peers or
+        refused states; None if there is none (:mod:`p2p_diloco.train.catch_up`).
+
+        A record counts after it expired: a peer left behind by a run whose peers then all left (an
+        unreachable run with no keeper serves nobody its state) must not forget that the run went on
+        when their records expire, and take the run's next steps alone from its stale state, a second
+        history (seen in CI: a peer whose round failed waited at outer step 1 while the two others took
+        steps 2-4 and left; 12 s after, it took 2-4 alone)."""
+        held = [record for record in self._remembered.values()
                 if record.peer_id != self.peer_id and record.phase != LOADING
                 and record.peer_id not in self._distrusted and record.sha256 not in self._refused_states]
         if not held:

@@ -7,7 +7,8 @@ away as soon as a peer with the real state returns, or which silently restarts t
 (issue 21: a newcomer a few seconds after the run's 2 peers left took steps 1–3 alone).
 
 So a peer that sees the run ahead of its own step (a record at a later outer step, of a peer live or
-gone, while the DHT still holds it: :meth:`~p2p_diloco.swarm.progress.SwarmProgress.history`) and
+gone, read while the DHT held it and remembered after it expired:
+:meth:`~p2p_diloco.swarm.progress.SwarmProgress.history`) and
 has no live peer at its own step to average with (a keeper there is none: it never averages) does
 not train: it tries again to load the run's state from peers (and from the run's checkpoint store,
 where it has one), every few seconds, for at most ``swarm.state_wait_timeout``; then it stops with
@@ -15,8 +16,8 @@ one line that says what it saw and what to do (:class:`NoStateSource`, exit stat
 scratch is for a run with no history.
 
 Records are signed but anyone can write one: a single identity that claims a later outer step
-makes the first peer of a new run wait and stop the same way. That costs a run its start, never its
-state; it is listed in docs/security.md.
+makes the first peer of a new run wait and stop the same way, from the moment a peer reads it, even
+once it has expired. That costs a run its start, never its state; it is listed in docs/security.md.
 """
 
 from __future__ import annotations
