@@ -398,9 +398,10 @@ def test_an_assistant_reduces_for_peers_nobody_can_dial_and_counts_no_part_of_it
     """A bootstrap node's assistant (p2p_diloco.sync.assistant) is hivemind's auxiliary member: it reduces
     and sends nothing. hivemind 1.1.12 made it a sender of its zeros with weight 0, which a robust rule
     counts: in a group of one peer and the assistant the reduction divided by zero (the claims' median
-    was 0), and in a group of three the zeros moved CenteredClip's median. Here, under CenteredClip, a lone
+    was 0), and in a group of three the zeros lowered the median norm. Here, under CenteredClip, a lone
     peer's round with the assistant gives back its own Δ, and three peers sending 1, 2 and 3 everywhere
-    (each within the radius of the median, 2) get their weighted mean, 2, exactly."""
+    (norms within twice the median, each within the radius of the median, 2) get their weighted mean, 2,
+    exactly; with the zeros counted, 3 was clipped to the norm of 2 and they got 5/3."""
     generator = torch.Generator().manual_seed(3)
     lone = [torch.randn(s, generator=generator) * 1e-2 for s in SHAPES]
     cases = {

@@ -724,10 +724,11 @@ def averaging_modes(peer_ids: Sequence[PeerID], metadata: dict[PeerID, GroupMeta
     hivemind 1.1.12 reads every member's mode from the gathered data and then drops it: its
     ``_aggregate_with_group`` passes the runner no ``modes``, and the runner derives them from the
     shares alone, so an auxiliary member became a sender of its zero tensors with weight 0. Under a
-    robust rule those zeros counted as a sender's part: they moved the coordinate median and the
-    radius of an assisted round toward 0, and in a round of one peer and an assistant the median of
-    the claims [0, w] capped both at 0 and the reduction divided by zero (the round failed, and that
-    peer fell behind a run nobody could serve it the state of)."""
+    robust rule those zeros counted as a sender's part: they lowered the median norm (in a round of
+    three peers, a part above twice the smallest one was clipped) and moved the coordinate median, and
+    in a round of one peer and an assistant the median of the claims [0, w] capped both at 0 and the
+    reduction divided by zero (the round failed, and that peer fell behind a run nobody could serve it
+    the state of)."""
     return tuple(
         AveragingMode.AUX if metadata[peer_id].role == "assistant"
         else AveragingMode.CLIENT if fraction == 0 else AveragingMode.NODE
