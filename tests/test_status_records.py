@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from typing import Iterator
 
 import pytest
 
@@ -174,41 +176,60 @@ def test_a_non_finite_loss_is_published_as_none_and_never_raises(caplog):
                                 fingerprint=FINGERPRINT, settings=SETTINGS, reachability="direct", device="cpu")
     try:
         publisher.update(inner_steps=5, samples_per_s=float("inf"), loss=float("nan"))  # a diverging run
+
+        def statuses() -> list[dict]:  # the run announcement's publisher stores on the same DHT
+            return [value for value in dht.stored if "phase" in value]
+
         publisher.publish(phase="training", loss=float("inf"))
-        last = dht.stored[-1]
+        wait_for(lambda: statuses() and statuses()[-1]["phase"] == "training")
+        last = statuses()[-1]
         assert last["loss"] is None and last["samples_per_s"] == 0.0 and last["inner_steps"] == 5
         StatusValue.parse_obj(last)  # what other nodes accept
         publisher.publish(loss=2.5, eval_loss=float("nan"), eval_step=4)  # a held-out loss that diverged too
-        assert dht.stored[-1]["loss"] == 2.5 and dht.stored[-1]["eval_loss"] is None
-        StatusValue.parse_obj(dht.stored[-1])
+        wait_for(lambda: statuses()[-1]["loss"] == 2.5)
+        assert statuses()[-1]["eval_loss"] is None
+        StatusValue.parse_obj(statuses()[-1])
         # a value the schema refuses (a bug) is logged once and not stored; the training loop goes on
-        stored = len(dht.stored)
         publisher.publish(phase="bogus")
         publisher.publish(phase="bogus")
-        assert len(dht.stored) == stored
+        publisher.publish(phase="left")  # a last word: stored before publish returns, after anything before it
+        assert all(value["phase"] != "bogus" for value in statuses()) and statuses()[-1]["phase"] == "left"
         assert len([r for r in caplog.records if "not publishing this peer's status record" in r.message]) == 1
     finally:
         publisher.close()
 
 
-def test_an_update_never_waits_for_a_store_and_a_last_word_stays_last():
+@contextlib.contextmanager
+def publisher_on_fake_dht(ttl: float) -> Iterator[tuple[FakeDHT, RecordPublisher]]:
     dht = FakeDHT()
-    records = RecordPublisher(dht, "test_status", b"subkey", ttl=0.3, what="test")  # refreshed every 0.1 s
+    records = RecordPublisher(dht, "test_status", b"subkey", ttl=ttl, what="test")  # refreshed every ttl / 3
     try:
+        yield dht, records
+    finally:
+        records.close()
+
+
+def test_an_update_never_waits_for_a_store_and_a_last_word_stays_last():
+    with publisher_on_fake_dht(ttl=0.3) as (dht, records):
         dht.release.clear()  # the network is slow: the refresh holds the store
         records.update({"n": 1})
         assert dht.storing.wait(5)
-        started = time.monotonic()
-        records.update({"n": 2})
-        assert time.monotonic() - started < 0.05  # it did not wait for the store in progress
+        records.update({"n": 2})  # neither waits for the store in progress (it would hang here until released)
+        records.publish({"n": 3})
         dht.release.set()
-        wait_for(lambda: {"n": 2} in dht.stored)
-        records.publish({"n": 3}, keep_fresh=False)  # a last word: stored now, never refreshed over
+        wait_for(lambda: {"n": 3} in dht.stored)
+        assert {"n": 2} not in dht.stored  # replaced before its turn came: the newer value says more
+        records.publish({"n": 4}, keep_fresh=False)  # a last word: stored now, never refreshed over
         stored = len(dht.stored)
+        assert dht.stored[-1] == {"n": 4}
         time.sleep(0.35)
-        assert len(dht.stored) == stored and dht.stored[-1] == {"n": 3}
-    finally:
-        records.close()
+        assert len(dht.stored) == stored and dht.stored[-1] == {"n": 4}
+
+
+def test_a_published_record_is_stored_at_once_not_at_the_next_refresh():
+    with publisher_on_fake_dht(ttl=600.0) as (dht, records):  # refreshed every 200 s
+        records.publish({"phase": "ready"})
+        wait_for(lambda: dht.stored == [{"phase": "ready"}])  # within wait_for's 5 s, far before the refresh
 
 
 def test_a_status_record_as_a_peer_publishes_it_passes_every_nodes_schema_check():

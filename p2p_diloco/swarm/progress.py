@@ -26,6 +26,7 @@ rest of the run (:meth:`SwarmProgress.refuse`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -145,11 +146,16 @@ class SwarmProgress:
         # the live records that the last fetch left out because they were set aside (set_aside): no plan
         # targets their claims, but they are peers of the run, and the state check counts them as dissent
         self.set_aside_records: dict[str, PeerProgress] = {}
+        self.ttl = ttl
+        self._own: Optional[PeerProgress] = None  # the record this peer published last
         self._publisher = RecordPublisher(dht, self.key, record_subkey, ttl, "progress")
 
     def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0) -> None:
+        """This peer's record, stored in the background (a LEFT record, its last word, before this returns);
+        :meth:`fetch` holds it from now on, whether or not the DHT does yet."""
         value = dict(outer_step=outer_step, sha256=sha256, phase=phase, samples=samples, time=time.time(),
                      fingerprint=self.fingerprint, reachability=self.reachability)
+        self._own = PeerProgress(self.peer_id, outer_step, sha256, phase, samples, value["time"], self.reachability)
         self._publisher.publish(value, keep_fresh=phase != LEFT)
 
     def close(self) -> None:
@@ -158,10 +164,14 @@ class SwarmProgress:
     def fetch(self) -> dict[str, PeerProgress]:
         """Live records of this run's peers, this one included (peers that left are omitted, and so are
         claims of a state that nobody served). A record read before stands until it expires, though this
-        read missed it (:func:`merge_seen`)."""
+        read missed it (:func:`merge_seen`). This peer's own is the one it published last, which its
+        background store may not have put on the DHT yet: the training loop never waits for a store."""
         records = {}
         self.set_aside_records = {}
-        self._seen = merge_seen(self._seen, _read_expiring(self.dht, self.key, self.fingerprint), get_dht_time())
+        now = get_dht_time()
+        own = [] if self._own is None else [(self._own, now + self.ttl)]
+        self._seen = merge_seen(self._seen, itertools.chain(_read_expiring(self.dht, self.key, self.fingerprint), own),
+                                now)
         self._remember(record for record, _ in self._seen.values())
         for record, _ in self._seen.values():
             if record.phase == LEFT:

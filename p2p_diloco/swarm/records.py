@@ -369,23 +369,35 @@ class RecordPublisher:
     hivemind keeps whichever value of a subkey expires last, so every value (a final one too)
     expires `ttl` after it was stored.
 
-    A store blocks for as long as the DHT takes (seconds, on a slow network). :meth:`update` never
-    waits for one: it only replaces the value that the next refresh stores. A lock orders the stores
-    themselves (:meth:`publish`, the refresh), so that a refresh never stores a value older than the
-    last published one: after a last word, nothing is refreshed until the next update or publish.
+    A store blocks for as long as the DHT takes (seconds, on a slow network; tens of milliseconds on
+    2 loaded cores), and a training peer publishes several records per round. Neither :meth:`update`
+    nor :meth:`publish` waits for one: each replaces the value the background thread stores, at its
+    next refresh (update) or at once (publish: the thread is woken). Only a last word (a record that
+    must be on the DHT before the node goes) is stored in the caller's thread. A lock orders the stores
+    themselves, and the thread reads the value only once it holds it, so that no store puts back a value
+    older than one stored before it: after a last word, nothing is refreshed until the next update or
+    publish.
     """
 
     def __init__(self, dht, key: str, subkey: bytes, ttl: float, what: str, refresh_s: Optional[float] = None):
         self.dht, self.key, self.subkey, self.ttl, self.what = dht, key, subkey, ttl, what
         self.refresh_s = min(refresh_s or ttl / 3, ttl / 3)
         self._value: Optional[dict] = None  # what the next refresh stores; None: nothing (a last word)
-        self._store_lock = threading.Lock()  # held while storing; update() never takes it
+        self._store_lock = threading.Lock()  # held while storing; update() and publish() never take it
         self._stop = threading.Event()
+        self._due = threading.Event()  # set by publish(): store the value now, not at the next refresh
         self._heartbeat = threading.Thread(target=self._refresh_periodically, name=f"{what}-heartbeat", daemon=True)
         self._heartbeat.start()
 
-    def publish(self, value: dict, keep_fresh: bool = True) -> None:
-        """Store `value` now; refresh it until the next publish, unless `keep_fresh` is False (a last word)."""
+    def publish(self, value: dict, keep_fresh: bool = True, wait: bool = False) -> None:
+        """Store `value` at once, in the background, and refresh it until the next publish or update. With
+        `wait`, and always for a last word (`keep_fresh` False, never refreshed), it is stored in this thread,
+        after any store in progress, before this returns. A value published and replaced before the
+        background thread got to it is never stored: the newer one says more."""
+        if keep_fresh and not wait:
+            self._value = value
+            self._due.set()
+            return
         with self._store_lock:
             self._value = value if keep_fresh else None
             self._store(value, complain=keep_fresh)
@@ -408,12 +420,17 @@ class RecordPublisher:
             logger.warning("could not store this node's %s record on the DHT", self.what)
 
     def _refresh_periodically(self) -> None:
-        while not self._stop.wait(self.refresh_s):
-            with self._store_lock:  # read under the lock: a publish that went before is not undone
+        while True:
+            self._due.wait(self.refresh_s)
+            self._due.clear()  # before the value is read: a publish from now on wakes the thread again
+            if self._stop.is_set():
+                return
+            with self._store_lock:  # read under the lock: a last word that went before is not undone
                 value = self._value
                 if value is not None:
                     self._store(value)
 
     def close(self) -> None:
         self._stop.set()
+        self._due.set()
         self._heartbeat.join(timeout=5)

@@ -172,7 +172,9 @@ class StatusPublisher:
         self._fields = value
         self._status.update(value)
 
-    def publish(self, **fields: Any) -> None:
+    def publish(self, wait: bool = False, **fields: Any) -> None:
+        """The record with `fields` changed, stored at once, in the background (:meth:`RecordPublisher.publish`);
+        with `wait`, and for the LEFT record, before this returns."""
         value = self._value(**fields)
         _, problem = parse(StatusValue, value)
         if problem is not None:
@@ -181,7 +183,7 @@ class StatusPublisher:
                 logger.warning("not publishing this peer's status record (%s): it does not match the schema", problem)
             return
         self._fields = value
-        self._status.publish(value, keep_fresh=value["phase"] != LEFT)
+        self._status.publish(value, keep_fresh=value["phase"] != LEFT, wait=wait)
 
     def close(self) -> None:
         self._status.close()

@@ -174,6 +174,9 @@ class DiLoCoPeer:
         self.local = LocalWork(self.local_params, len(self.schedule.fragments),
                                ErrorFeedback([p.shape for p in self.local_params]) if error_feedback else None)
         self._sync_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
+        # the inner loop's reads of the run's records (is the round closing?): a DHT read takes tens of
+        # milliseconds on 2 loaded cores, every ROUND_CHECK_PERIOD_S, and the inner loop never waits for one
+        self._round_reads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="round-reads")
         self.clock = ComputeClock()  # inner seconds against wall seconds, per outer_step record
         self.samples_per_s = RecentRate()  # of the last inner steps, for the status record
         self.peer_id = node.dht.peer_id.to_base58()
@@ -465,20 +468,24 @@ class DiLoCoPeer:
         steps_this_round, self.local.steps_ahead = self.local.steps_ahead, 0
         self.view.round_started(step, self.schedule.steps_per_sync, steps_this_round)
         next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
+        closing: Optional[concurrent.futures.Future] = None  # a read of whether others are ready, in flight
         end = self.schedule.steps_per_sync
         while steps_this_round < end:
             if self._stopping():
                 return False
             if self._announced is None:  # until it has said it is ready: when to say it, and whether others did
                 lead = self.match_lead.steps(self.samples_per_s.step_s(), self.schedule.steps_per_sync)
-                if steps_this_round and time.monotonic() >= next_check:
-                    next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
-                    if self.round_sync.round_is_closing(step):
+                if closing is not None and closing.done():
+                    if closing.result():
                         logger.info("outer step %d: others are ready; contributing %d inner steps", step + 1,
                                     steps_this_round + min(lead, end - steps_this_round))
                         end = min(end, steps_this_round + lead)
                         if steps_this_round >= end:
                             break
+                    closing = None
+                if closing is None and steps_this_round and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + ROUND_CHECK_PERIOD_S
+                    closing = self._round_reads.submit(self.round_sync.round_is_closing, step)
                 if end - steps_this_round <= lead:
                     self._announce(step, fragment, end - steps_this_round)
             self._train_steps(1)
@@ -853,6 +860,7 @@ class DiLoCoPeer:
         if self.store_writer is not None:
             self.store_writer.close(timeout=self.cfg.swarm.state_download_timeout)
         self._sync_thread.shutdown(wait=True)
+        self._round_reads.shutdown(wait=True)  # a read of the records: bounded by the DHT's timeouts
         self._push_thread.shutdown(wait=True)  # each push is bounded by state_download_timeout
         self.sync.shutdown()
 

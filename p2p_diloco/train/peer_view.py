@@ -30,7 +30,7 @@ class PeerView:
     def joined(self, **fields: Any) -> None:
         """The first record (outer step, inner steps, data shard): stored before the progress record, so a
         peer that sees this one's progress record sees its settings too."""
-        self.status.publish(**fields)
+        self.status.publish(wait=True, **fields)
 
     def round_started(self, outer_step: int, steps_per_sync: int, done: int) -> None:
         if self.display is not None:
