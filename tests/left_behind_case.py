@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -58,6 +59,10 @@ def main() -> None:
                          state_provider=lambda: ({}, []))
         for p in progress:
             p.publish(3, STATE, READY)
+        other = nodes[1].dht.peer_id.to_base58()
+        deadline = time.monotonic() + PLANNED_S  # a record is stored in the background: "me" reads the other's
+        while other not in progress[0].fetch() and time.monotonic() < deadline:
+            time.sleep(0.1)
         planned = Planned()
         logging.getLogger("p2p_diloco.train.round_sync").addHandler(planned)
         me = nodes[0].dht.peer_id.to_base58()
