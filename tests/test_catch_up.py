@@ -19,6 +19,10 @@ def test_behind_alone_only_while_the_run_is_ahead_and_nobody_is_at_this_step():
     assert not behind_alone(5, ahead, {ME: record(ME, 5)}, ME)  # it holds the run's latest step: it goes on
     assert not behind_alone(0, None, {ME: record(ME, 0)}, ME)  # a run with no history: it starts it
     assert behind_alone(3, ahead, {ME: record(ME, 3), OTHER: record(OTHER, 5)}, ME)  # live peers ahead only
+    # a groupmate of the step this peer just took, whose new record is not read yet: company (in test_hostile's
+    # swarm, a liar's claim far ahead made an honest peer wait 5 s after such a step)
+    assert not behind_alone(3, ahead, {ME: record(ME, 3), OTHER: record(OTHER, 2, READY)}, ME)
+    assert behind_alone(3, ahead, {ME: record(ME, 3), OTHER: record(OTHER, 2)}, ME)  # training at 2: behind itself
     # the keeper it loaded step 3 from is still there, while the run's peers are at step 5: it never averages
     assert behind_alone(3, ahead, {ME: record(ME, 3), "QmKeeper": record("QmKeeper", 3, KEEPING),
                                    OTHER: record(OTHER, 5)}, ME)

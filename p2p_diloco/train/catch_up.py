@@ -26,7 +26,7 @@ import logging
 import time
 from typing import Callable, Mapping, Optional
 
-from p2p_diloco.swarm.progress import PeerProgress, RunHistory, averaging_peers
+from p2p_diloco.swarm.progress import READY, PeerProgress, RunHistory, averaging_peers
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +41,13 @@ def behind_alone(own_step: int, history: Optional[RunHistory], records: Mapping[
                  peer_id: str) -> bool:
     """Whether the run is ahead of `own_step` (by the records this peer has seen) while no other live peer
     (`records`, this one's own left out) that trains is at that step: this peer then has nobody to average
-    with but itself, and must not train. A keeper at that step does not count: it never averages."""
+    with but itself, and must not train. A keeper at that step does not count: it never averages. A peer
+    ready at the step before does: it is committing the round that brings it here (this peer's groupmates,
+    read a moment after the step they took together, before their new records are stored)."""
     if history is None or history.outer_step <= own_step:
         return False
-    return not any(record.outer_step == own_step for record in averaging_peers(records, peer_id))
+    return not any(record.outer_step == own_step or (record.outer_step == own_step - 1 and record.phase == READY)
+                   for record in averaging_peers(records, peer_id))
 
 
 class CatchUpWait:
