@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import threading
-import time
 
 import torch
 
@@ -29,6 +28,7 @@ from p2p_diloco.swarm.progress import READY, TRAINING, SwarmProgress
 from p2p_diloco.sync.outer_sync import OuterSync
 from p2p_diloco.train.round_sync import RoundSync
 from tests.allreduce_case import CFG
+from tests.swarm_helpers import wait_until
 
 FINGERPRINT = hashlib.sha256(b"settings").hexdigest()
 STATE, NEXT = "5" * 64, "6" * 64
@@ -59,10 +59,8 @@ def main() -> None:
                          state_provider=lambda: ({}, []))
         for p in progress:
             p.publish(3, STATE, READY)
-        other = nodes[1].dht.peer_id.to_base58()
-        deadline = time.monotonic() + PLANNED_S  # a record is stored in the background: "me" reads the other's
-        while other not in progress[0].fetch() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        other = nodes[1].dht.peer_id.to_base58()  # records are stored in the background: "me" reads the other's
+        wait_until(lambda: other in progress[0].fetch(), PLANNED_S, "the other peer's record", poll_s=0.1)
         planned = Planned()
         logging.getLogger("p2p_diloco.train.round_sync").addHandler(planned)
         me = nodes[0].dht.peer_id.to_base58()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -104,7 +105,7 @@ def _read_expiring(dht: DHT, key: str, fingerprint: str) -> Iterator[tuple[PeerP
             yield record, expiration
 
 
-MAX_REMEMBERED = 1024  # authors whose latest record a peer keeps for the run's history once it expired
+MAX_EXPIRED = 1024  # authors whose latest record a peer keeps, for the run's history, once it has expired
 
 Seen = dict[str, tuple[PeerProgress, float]]  # peer ID -> its latest record seen, and when that record expires
 
@@ -126,6 +127,18 @@ def merge_seen(seen: Seen, read: Iterable[tuple[PeerProgress, float]], now: floa
     return merged
 
 
+def _without_oldest_expired(seen: Seen, now: float) -> Seen:
+    """`seen` with at most :data:`MAX_EXPIRED` of its expired records, the newest; every live one."""
+    expired = sorted((record.time, peer) for peer, (record, expiration) in seen.items() if expiration <= now)
+    dropped = {peer for _, peer in expired[:max(len(expired) - MAX_EXPIRED, 0)]}
+    return {peer: held for peer, held in seen.items() if peer not in dropped} if dropped else seen
+
+
+def committing_toward(record: PeerProgress, outer_step: int) -> bool:
+    """Whether `record`'s peer is committing the round that brings it to `outer_step`: it is on its way there."""
+    return record.outer_step == outer_step - 1 and record.phase == READY
+
+
 class SwarmProgress:
     """Reads the run's progress records on the DHT, and keeps this peer's own fresh (:class:`RecordPublisher`)."""
 
@@ -141,12 +154,12 @@ class SwarmProgress:
         self._unverified: dict[str, tuple[int, str]] = {}  # peer ID -> the state it claims that nobody served
         self._refused_states: set[str] = set()  # sha256 of states this peer refused after downloading them
         self._distrusted: set[str] = set()  # identities that served a malformed or refused state
-        self._seen: Seen = {}  # every record read and not yet expired (merge_seen)
-        self._remembered: dict[str, PeerProgress] = {}  # each author's latest record read, expired or not (history)
+        # each author's latest record read (merge_seen), and when it expires on the DHT: the live ones are the
+        # run's peers (fetch), and every one, expired ones too (at most MAX_EXPIRED of those), its history
+        self._seen: Seen = {}
         # the live records that the last fetch left out because they were set aside (set_aside): no plan
         # targets their claims, but they are peers of the run, and the state check counts them as dissent
         self.set_aside_records: dict[str, PeerProgress] = {}
-        self.ttl = ttl
         self._own: Optional[PeerProgress] = None  # the record this peer published last
         self._publisher = RecordPublisher(dht, self.key, record_subkey, ttl, "progress")
 
@@ -169,12 +182,11 @@ class SwarmProgress:
         records = {}
         self.set_aside_records = {}
         now = get_dht_time()
-        own = [] if self._own is None else [(self._own, now + self.ttl)]
-        self._seen = merge_seen(self._seen, itertools.chain(_read_expiring(self.dht, self.key, self.fingerprint), own),
-                                now)
-        self._remember(record for record, _ in self._seen.values())
-        for record, _ in self._seen.values():
-            if record.phase == LEFT:
+        own = [] if self._own is None else [(self._own, now + self._publisher.ttl)]
+        read = itertools.chain(_read_expiring(self.dht, self.key, self.fingerprint), own)
+        self._seen = _without_oldest_expired(merge_seen(self._seen, read, now=-math.inf), now)  # kept: history()
+        for record, expiration in self._seen.values():
+            if expiration <= now or record.phase == LEFT:
                 continue
             if record.peer_id != self.peer_id and (record.peer_id in self._distrusted
                                                    or record.sha256 in self._refused_states):
@@ -185,17 +197,6 @@ class SwarmProgress:
             self._unverified.pop(record.peer_id, None)  # it moved on: its new claim counts again
             records[record.peer_id] = record
         return records
-
-    def _remember(self, records: Iterable[PeerProgress]) -> None:
-        """Keep each author's latest of `records` for :meth:`history`, beyond its expiration; at most
-        :data:`MAX_REMEMBERED` authors, those whose latest record is newest."""
-        for record in records:
-            held = self._remembered.get(record.peer_id)
-            if held is None or record.time >= held.time:
-                self._remembered[record.peer_id] = record
-        if len(self._remembered) > MAX_REMEMBERED:
-            newest = sorted(self._remembered.values(), key=lambda r: r.time)[-MAX_REMEMBERED:]
-            self._remembered = {record.peer_id: record for record in newest}
 
     def history(self) -> Optional[RunHistory]:
         """The latest outer step at which this peer has seen the run, from every record it read (:meth:`fetch`),
@@ -208,7 +209,7 @@ class SwarmProgress:
         when their records expire, and take the run's next steps alone from its stale state, a second
         history (seen in CI: a peer whose round failed waited at outer step 1 while the two others took
         steps 2-4 and left; 12 s after, it took 2-4 alone)."""
-        held = [record for record in self._remembered.values()
+        held = [record for record, _ in self._seen.values()
                 if record.peer_id != self.peer_id and record.phase != LOADING
                 and record.peer_id not in self._distrusted and record.sha256 not in self._refused_states]
         if not held:
@@ -281,7 +282,7 @@ class SwarmProgress:
             records = {peer: r for peer, r in self.fetch().items() if peer not in silent.gone}
             busy = {r.peer_id: r.phase for r in records.values()
                     if (r.outer_step == outer_step and r.phase in (TRAINING, LOADING))
-                    or (r.outer_step == outer_step - 1 and r.phase == READY and r.peer_id != self.peer_id)}
+                    or (committing_toward(r, outer_step) and r.peer_id != self.peer_id)}
             for peer in silent.check([records[p] for p in busy]):
                 logger.warning("outer step %d: not waiting for %s any more: its record says %s, but it does not "
                                "answer on the network (it left or crashed)", outer_step + 1, peer[-8:], busy[peer])

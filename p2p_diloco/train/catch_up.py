@@ -26,7 +26,7 @@ import logging
 import time
 from typing import Callable, Mapping, Optional
 
-from p2p_diloco.swarm.progress import READY, PeerProgress, RunHistory, averaging_peers
+from p2p_diloco.swarm.progress import PeerProgress, RunHistory, averaging_peers, committing_toward
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def behind_alone(own_step: int, history: Optional[RunHistory], records: Mapping[
     read a moment after the step they took together, before their new records are stored)."""
     if history is None or history.outer_step <= own_step:
         return False
-    return not any(record.outer_step == own_step or (record.outer_step == own_step - 1 and record.phase == READY)
+    return not any(record.outer_step == own_step or committing_toward(record, own_step)
                    for record in averaging_peers(records, peer_id))
 
 
