@@ -42,6 +42,15 @@ def test_ties_are_broken_the_same_way_everywhere():
     assert plan_round(records, 1, "22").action == "train"
 
 
+def test_no_vote_at_this_step_while_a_peer_is_committing_its_way_here():
+    # "me" just took step 4 with "a", whose new record is not read yet; a stranger claims another state at 4
+    records = {"a": rec("a", 3, "aa", READY), "stranger": rec("stranger", 4, "ff"), "me": rec("me", 4, "cc")}
+    assert plan_round(records, 4, "cc").action == "train"
+    records["a"] = rec("a", 4, "cc")  # it landed: two against one
+    assert plan_round(records, 4, "cc").action == "train"
+    assert plan_round(records, 4, "ff").action == "load"
+
+
 def test_alone_trains():
     assert plan_round({}, 0, "x").action == "train"
 

@@ -364,6 +364,11 @@ def plan_round(records: dict[str, PeerProgress], my_step: int, my_sha256: str) -
     frontier = max((r.outer_step for r in others.values()), default=my_step)
     if frontier > my_step:
         return _load(records, frontier, f"the swarm is at outer step {frontier}, this peer at {my_step}")
+    if any(committing_toward(r, my_step) for r in records.values()):
+        # the vote at this step waits for them: the groupmates of the round this peer just applied land here
+        # with its state, and a claim of another state at this step (a hostile one) must not win the vote
+        # while their new records are not read yet (in CI, two peers outvoted so loaded a stranger's state)
+        return RoundPlan("train", "peers are still committing their way to this step", my_step)
     agreed = agreed_sha256(records, my_step)
     if agreed is not None and agreed != my_sha256:
         return _load(records, my_step, f"peers at outer step {my_step} agree on another global state")
