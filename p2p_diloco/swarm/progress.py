@@ -26,7 +26,6 @@ rest of the run (:meth:`SwarmProgress.refuse`).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading
@@ -157,6 +156,7 @@ class SwarmProgress:
         # each author's latest record read (merge_seen), and when it expires on the DHT: the live ones are the
         # run's peers (fetch), and every one, expired ones too (at most MAX_EXPIRED of those), its history
         self._seen: Seen = {}
+        self._merging = threading.Lock()
         # the live records that the last fetch left out because they were set aside (set_aside): no plan
         # targets their claims, but they are peers of the run, and the state check counts them as dissent
         self.set_aside_records: dict[str, PeerProgress] = {}
@@ -179,24 +179,25 @@ class SwarmProgress:
         claims of a state that nobody served). A record read before stands until it expires, though this
         read missed it (:func:`merge_seen`). This peer's own is the one it published last, which its
         background store may not have put on the DHT yet: the training loop never waits for a store."""
-        records = {}
-        self.set_aside_records = {}
-        now = get_dht_time()
-        own = [] if self._own is None else [(self._own, now + self._publisher.ttl)]
-        read = itertools.chain(_read_expiring(self.dht, self.key, self.fingerprint), own)
-        self._seen = _without_oldest_expired(merge_seen(self._seen, read, now=-math.inf), now)  # kept: history()
-        for record, expiration in self._seen.values():
-            if expiration <= now or record.phase == LEFT:
-                continue
-            if record.peer_id != self.peer_id and (record.peer_id in self._distrusted
-                                                   or record.sha256 in self._refused_states):
-                continue
-            if self._unverified.get(record.peer_id) == (record.outer_step, record.sha256):
-                self.set_aside_records[record.peer_id] = record
-                continue
-            self._unverified.pop(record.peer_id, None)  # it moved on: its new claim counts again
-            records[record.peer_id] = record
-        return records
+        read = list(_read_expiring(self.dht, self.key, self.fingerprint))
+        with self._merging:  # the training loop, its sync and its reads in the background all fetch
+            records, set_aside = {}, {}
+            now = get_dht_time()
+            own = [] if self._own is None else [(self._own, now + self._publisher.ttl)]
+            self._seen = _without_oldest_expired(merge_seen(self._seen, read + own, now=-math.inf), now)  # history()
+            for record, expiration in self._seen.values():
+                if expiration <= now or record.phase == LEFT:
+                    continue
+                if record.peer_id != self.peer_id and (record.peer_id in self._distrusted
+                                                       or record.sha256 in self._refused_states):
+                    continue
+                if self._unverified.get(record.peer_id) == (record.outer_step, record.sha256):
+                    set_aside[record.peer_id] = record
+                    continue
+                self._unverified.pop(record.peer_id, None)  # it moved on: its new claim counts again
+                records[record.peer_id] = record
+            self.set_aside_records = set_aside
+            return records
 
     def history(self) -> Optional[RunHistory]:
         """The latest outer step at which this peer has seen the run, from every record it read (:meth:`fetch`),

@@ -218,6 +218,7 @@ class DiLoCoPeer:
         # how many inner steps before its Δ is taken the peer says it is ready (train/match_ahead.py)
         self.match_lead = MatchLead(cfg.swarm.match_ahead, max_s=cfg.swarm.next_chunk_timeout / 2)
         self._announced: Optional[AnnouncedRound] = None  # the round whose sync began, until its Δ is handed over
+        self._records_read: Optional[concurrent.futures.Future] = None  # during an applied round's sync (_round)
         self._step_samples = 0  # samples of the last inner step (every batch is whole: each step counts as many)
         self.round_sync = RoundSync(self.progress, self.sync, self.peer_id, node.reachability.mode,
                                     cfg.swarm.round_wait_timeout, self.stop_event, cfg.swarm.round_attempts)
@@ -293,7 +294,7 @@ class DiLoCoPeer:
             while not self._stopping():
                 if max_outer_steps is not None and self.global_model.outer_step >= max_outer_steps:
                     break
-                records = self.progress.fetch()
+                records = self._records_for_plan()
                 plan = plan_round(records, self.global_model.outer_step, self.sha256)
                 if plan.action == "load" and self._load_from_peers(plan, records):
                     continue
@@ -415,6 +416,7 @@ class DiLoCoPeer:
         self.island.pull()
         to_send = self.local.to_send(indices, self.global_model.pseudo_gradient(self.local_params, indices))
         announced.delta.hand_over(to_send)
+        records_read = self._round_reads.submit(self.progress.fetch)  # for the next plan, while the sync runs
         outcome, steps_while_syncing = self._sync(announced.sync)
         for reason in outcome.failed_attempts:  # the round was tried again without the members that failed
             self.metrics.write("attempt_failed", outer_step=step, reason=reason)
@@ -423,9 +425,20 @@ class DiLoCoPeer:
             outcome = self._checked(outcome, indices)
         if outcome.result is not None:
             self._apply(outcome.result, fragment, samples, steps_while_syncing, to_send, announced.lead_steps)
+            self._records_read = records_read
         else:
             self._not_applied(step, outcome)
         self.view.training(outer_step=self.global_model.outer_step)
+
+    def _records_for_plan(self) -> dict[str, PeerProgress]:
+        """The run's records for the next round's plan. After an applied round, those read while its sync ran
+        (:meth:`_round`): a DHT read takes 30-100 ms on 2 loaded cores, up to 0.8 s, and the inner loop would
+        stand still for it. Their groupmates' records may still say ready at the step before: committing their
+        way here, as they are, so the plan at this step waits for them (``plan_round``) and a peer far ahead
+        was read all the same. After anything else (a failed or skipped round, a load, the start), a read now:
+        where this peer stands in the run is the question then."""
+        read, self._records_read = self._records_read, None
+        return self.progress.fetch() if read is None else read.result()  # bounded by the DHT's timeouts
 
     def _abandon_round(self) -> None:
         """The inner loop ends before the Δ of a round whose sync began: that sync ends now, with nothing
