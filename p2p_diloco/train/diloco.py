@@ -433,10 +433,10 @@ class DiLoCoPeer:
     def _records_for_plan(self) -> dict[str, PeerProgress]:
         """The run's records for the next round's plan. After an applied round, those read while its sync ran
         (:meth:`_round`): a DHT read takes 30-100 ms on 2 loaded cores, up to 0.8 s, and the inner loop would
-        stand still for it. Their groupmates' records may still say ready at the step before: committing their
-        way here, as they are, so the plan at this step waits for them (``plan_round``) and a peer far ahead
-        was read all the same. After anything else (a failed or skipped round, a load, the start), a read now:
-        where this peer stands in the run is the question then."""
+        stand still for it. In them the group's records, this peer's own included, may still say ready at the
+        step before: committing their way here, as they are, so the plan does not vote at this step
+        (``plan_round``), and a peer far ahead was read all the same. After anything else (a failed or skipped
+        round, a load, the start), a read now: where this peer stands in the run is the question then."""
         read, self._records_read = self._records_read, None
         return self.progress.fetch() if read is None else read.result()  # bounded by the DHT's timeouts
 
