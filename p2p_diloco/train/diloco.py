@@ -686,7 +686,7 @@ class DiLoCoPeer:
         self.progress.refuse(peers=sorted(self.distrusted_donors))  # nor do their records count in any plan
         failures = {peer: str(why) for peer, why in failed_donors.items()}
         if state is None:
-            self.view.training()
+            self._load_failed()
             if nobody_serves(failed_donors, plan.target_step):
                 self.progress.set_aside(plan.claims or {})
             logger.warning("could not download the global state; training on from outer step %d",
@@ -696,7 +696,7 @@ class DiLoCoPeer:
             return False
         problem = self._step_refusal(state, records)
         if problem is not None:
-            self.view.training()
+            self._load_failed()
             self._refuse_state(state, plan, problem, failures)
             return False
         donor_record = records.get(state.donor)
@@ -704,6 +704,13 @@ class DiLoCoPeer:
         self._adopt(state.tensors, state.outer_step, state.inner_steps, plan.reason, source=source, donor=state.donor,
                     failed_donors=failures)
         return True
+
+    def _load_failed(self) -> None:
+        """Back to this peer's own state after a load that failed: its record says so. Left "loading" at the
+        target's step, it kept peers at that step waiting for it, and hid it from peers at its own step: three
+        newcomers whose download failed each waited for company the others' records denied (seen in CI)."""
+        self.progress.publish(self.global_model.outer_step, self.sha256, self.idle_phase)
+        self.view.training()
 
     def _adopt(self, tensors: list[torch.Tensor], outer_step: int, inner_steps: int, reason: str, source: str,
                **details) -> None:
