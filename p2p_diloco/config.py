@@ -194,9 +194,13 @@ class OuterConfig:
     # every steps_per_outer / fragments inner steps (p2p_diloco.train.fragments)
     fragments: int = int_at_least(1, 1)
     fragment_layout: str = one_of("strided", "strided", "sequential")
-    # inner steps that run while a fragment's all-reduce is in flight, at most steps_per_outer / fragments − 1
-    # (a larger value is lowered to that, with a log line; -1 asks for that many); 0 blocks until it is done
-    sync_delay: int = int_at_least(5, -1)
+    # the most inner steps that run while a fragment's all-reduce is in flight, at most steps_per_outer /
+    # fragments − 1 (a larger value is lowered to that, with a log line; -1 asks for that many); 0 blocks
+    # until it is done. The outer step is applied after the first of them that ends with the sync done
+    sync_delay: int = int_at_least(10, -1)
+    # true: exactly sync_delay inner steps run beside every sync, Streaming DiLoCo's fixed τ, even where the
+    # sync ended after the first (p2p_diloco.schedule)
+    fixed_sync_delay: bool = boolean(False)
     # θ_local ← α·θ_local + (1 − α)·θ_global for the synced fragment, once its outer step is applied
     merge_alpha: float = in_range(0.5, 0.0, 1.0)
     # how each reducer aggregates the group's parts (p2p_diloco.sync.robust, docs/security.md): sample claims

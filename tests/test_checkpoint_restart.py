@@ -57,8 +57,9 @@ def test_a_peer_killed_between_syncs_resumes_its_local_work(processes, tmp_path)
     processes.kill(latest(processes, "peer"))  # SIGKILL: nothing is written on the way out
     saved = load(ckpt / "checkpoint.pt")
     batch_size = TINY["inner"]["batch_size"]
-    # the checkpoint holds the inner steps run ahead of the next sync (τ = 2 of them): θ_local ≠ θ_global
-    assert saved["local"]["steps_ahead"] == OVERLAP["sync_delay"]
+    # the checkpoint holds the inner steps run ahead of the next sync (τ ≤ 2 of them, at least one: the
+    # overlap ends with the first step after the sync): θ_local ≠ θ_global
+    assert 1 <= saved["local"]["steps_ahead"] <= OVERLAP["sync_delay"]
     # it is kept, and a peer alone applied its own Δ + e exactly: it owes nothing
     assert all(not residual.any() for residual in saved["local"]["error_feedback"]["residual"])
     assert batches_accounted_for(outer_steps(metrics), saved) == saved["data_state"]["position"] * batch_size

@@ -56,7 +56,8 @@ def names_of(cfg):
 def test_two_peers_match_the_streaming_oracle(tmp_path, sync_delay, merge_alpha):
     torch.set_num_threads(1)
     cfg = tiny_config(model={"num_layers": 2}, inner={"steps_per_outer": 6},
-                      outer={"fragments": 2, "sync_delay": sync_delay, "merge_alpha": merge_alpha},
+                      outer={"fragments": 2, "sync_delay": sync_delay, "merge_alpha": merge_alpha,
+                             "fixed_sync_delay": True},  # the oracle's τ: exactly sync_delay steps
                       swarm={"match_ahead": True})
     outer_steps = 4  # each fragment syncs twice
     batch_lists = fixed_batches(2, outer_steps * 3 + sync_delay, cfg.inner.batch_size, cfg.data.seq_len, VOCAB)
@@ -126,3 +127,22 @@ def test_the_overlap_is_shorter_than_a_fragment_round():
     assert FragmentSchedule(fragments, steps_per_outer=6, sync_delay=1).sync_delay == 1
     assert FragmentSchedule([[0, 1]], steps_per_outer=1, sync_delay=5).sync_delay == 0
     assert FragmentSchedule(fragments, steps_per_outer=10, sync_delay=-1).sync_delay == 4  # the longest
+
+
+def test_an_adaptive_overlap_ends_with_the_first_step_after_the_sync_and_a_fixed_one_runs_all_of_its_steps():
+    """Unless fixed, τ is the most: the loop stops after the first inner step that ends with the sync done,
+    and runs one step at least (the sync began with the Δ); past τ it waits, either way."""
+    adaptive = FragmentSchedule([[0]], steps_per_outer=10, sync_delay=3, fixed_delay=False)
+    fixed = FragmentSchedule([[0]], steps_per_outer=10, sync_delay=3, fixed_delay=True)
+
+    def steps_run(schedule, sync_done_after: int) -> int:
+        """Inner steps beside a sync that is done once `sync_done_after` of them have run."""
+        steps = 0
+        while schedule.overlaps(steps, sync_done=steps >= sync_done_after):
+            steps += 1
+        return steps
+
+    assert [steps_run(adaptive, n) for n in (0, 1, 2, 3, 5)] == [1, 1, 2, 3, 3]
+    assert [steps_run(fixed, n) for n in (0, 1, 2, 3, 5)] == [3, 3, 3, 3, 3]
+    blocking = FragmentSchedule([[0]], steps_per_outer=10, sync_delay=0, fixed_delay=False)
+    assert not blocking.overlaps(0, sync_done=False)

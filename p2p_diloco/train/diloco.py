@@ -14,7 +14,8 @@ Each round, toward outer step t + 1:
    for the peers at step t, then the group's sample-weighted mean of what this peer sends, Δ plus,
    with error feedback, the residual it owes (:class:`~p2p_diloco.sync.outer_sync.OuterSync`), or that
    itself when no other peer is at this step. With ``outer.sync_delay`` τ = 0 the inner loop waits
-   for it; with τ > 0 it runs in a background thread while the next τ inner steps run;
+   for it; with τ > 0 it runs in a background thread while the next inner steps run, until one ends
+   with it done, τ at most (exactly τ with ``outer.fixed_sync_delay``);
 5. outer Nesterov step on that fragment of θ_global, then θ_local ← α·θ_local + (1 − α)·θ_global
    on the fragment (α = ``outer.merge_alpha``), metrics, checkpoint.
 
@@ -169,7 +170,7 @@ class DiLoCoPeer:
                                   micro_batch_size, self.island.island, self.island.forward_model)
         self.global_model = GlobalModel(self.local_params, cfg.outer)
         self.schedule = FragmentSchedule(model_fragments(model, cfg.outer), cfg.inner.steps_per_outer,
-                                         cfg.outer.sync_delay)
+                                         cfg.outer.sync_delay, cfg.outer.fixed_sync_delay)
         error_feedback = cfg.outer.error_feedback and cfg.outer.codec != "none"
         self.local = LocalWork(self.local_params, len(self.schedule.fragments),
                                ErrorFeedback([p.shape for p in self.local_params]) if error_feedback else None)
@@ -459,12 +460,13 @@ class DiLoCoPeer:
         self._announced = AnnouncedRound(samples, steps_left, delta, sync)
 
     def _sync(self, in_flight: concurrent.futures.Future) -> tuple[SyncOutcome, int]:
-        """The outcome of the sync in flight: waited for at once (τ = 0), or after the next τ inner steps ran
-        (Streaming DiLoCo's overlap, arXiv 2501.18512 §2.2), with how many of those ended before it did."""
+        """The outcome of the sync in flight: waited for at once (τ = 0), or after the inner steps that run
+        beside it (Streaming DiLoCo's overlap, arXiv 2501.18512 §2.2: τ of them, or until one ends with the
+        sync done, :meth:`FragmentSchedule.overlaps`), with how many of those ended before it did."""
         if not self.schedule.sync_delay:
             return in_flight.result(), 0  # bounded: every wait inside the sync has its timeout
         steps_while_syncing = 0
-        while self.local.steps_ahead < self.schedule.sync_delay and self._train_steps(1):
+        while self.schedule.overlaps(self.local.steps_ahead, in_flight.done()) and self._train_steps(1):
             self.local.steps_ahead += 1
             steps_while_syncing += not in_flight.done()  # this step ended before the sync did
         return in_flight.result(), steps_while_syncing
@@ -582,6 +584,7 @@ class DiLoCoPeer:
             loss=mean_loss,
             fragment=fragment,
             steps_while_syncing=steps_while_syncing,
+            overlap_steps=self.local.steps_ahead,  # τ of this round: the inner steps after the Δ, before the merge
             lead_steps=lead_steps,
             sync_phases=result.phases,
             global_sha256=self.sha256,
