@@ -5,8 +5,11 @@
     python benchmarks/codec_quality.py --codecs none \
         --variants "codec=fp4-e3m0 error_feedback=true; codec=fp4-e3m0 fragments=2 sync_delay=1 merge_alpha=0.5"
 
-Each --variants entry is a set of [outer] settings (p2p_diloco/config.py). With P fragments a run
-takes P·K outer steps, each syncing one fragment, so that every run trains the same K·H inner steps.
+Each --variants entry is a set of [outer] settings (p2p_diloco/config.py) over DiLoCo's blocking fp32
+sync; an overlap (sync_delay) is Streaming DiLoCo's fixed τ there unless the entry says
+fixed_sync_delay=false, as the shipped defaults do. With P fragments a run takes P·K outer steps, each
+syncing one fragment, so that every run trains the same K·H inner steps. "τ run" is the mean of the
+inner steps that ran beside each sync.
 
 The same setup as benchmarks/quality.py (its DiLoCo run, on the shipped tinyshakespeare), once per
 codec. Every run takes the same inner steps on the same data from the same initial weights, so the
@@ -92,6 +95,7 @@ def main() -> None:
                          codec_bytes_per_param=bytes_per_parameter(run_cfg.outer.codec),
                          peak_bytes_per_param_per_sync=result.bytes_per_peer / num_params / syncs,
                          train_seconds=result.train_seconds,
+                         overlap_steps=result.details["overlap_steps"],
                          one_global_state=result.details["identical_global_model_every_step"],
                          full_group_rounds=f"{result.details['rounds_with_full_group']}/"
                                            f"{result.details['rounds_recorded']}"))
@@ -99,11 +103,11 @@ def main() -> None:
     print(f"\n{num_params / 1e6:.2f}M-parameter Llama, M = {args.peers}, H = {args.inner_steps}, "
           f"K = {args.outer_steps}, on {Path(args.text).name}\n")
     print("| sync | bytes/param (codec) | sent+received per param per H inner steps | per sync (peak) | "
-          "final eval loss | vs fp32 | one θ_global every step | rounds in the full group |")
-    print("|---|---:|---:|---:|---:|---:|---|---|")
+          "τ run | final eval loss | vs fp32 | one θ_global every step | rounds in the full group |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
     for r in rows:
         print(f"| {r['codec']} | {r['codec_bytes_per_param']:.4g} | {r['wire_bytes_per_param_per_step']:.3f} | "
-              f"{r['peak_bytes_per_param_per_sync']:.3f} | "
+              f"{r['peak_bytes_per_param_per_sync']:.3f} | {r['overlap_steps']:.1f} | "
               f"{r['final_eval_loss']:.4f} | {percent_gap(r['final_eval_loss'], reference):+.2f}% | "
               f"{r['one_global_state']} | {r['full_group_rounds']} |")
     out = Path(args.out)

@@ -46,6 +46,7 @@ import json
 import logging
 import math
 import signal
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -87,9 +88,10 @@ def benchmark_config(text_path: str, seed: int, inner_steps_per_outer: int, tota
                   "batch_size": LOCAL_BATCH_SIZE, "grad_accumulation": 1,
                   "steps_per_outer": inner_steps_per_outer},
         # DiLoCo's Algorithm 1 (fp32, blocking): codecs, error feedback and overlap are what the other
-        # benchmarks compare against it
+        # benchmarks compare against it; an overlap asked for is Streaming DiLoCo's fixed τ unless a variant
+        # says fixed_sync_delay = false
         "outer": {"lr": 0.7, "momentum": 0.9, "codec": "none", "error_feedback": False, "fragments": 1,
-                  "sync_delay": 0, "merge_alpha": 0.0},
+                  "sync_delay": 0, "fixed_sync_delay": True, "merge_alpha": 0.0},
         "swarm": {"matchmaking_time": 2.0, "request_timeout": 1.0, "round_wait_timeout": 30.0,
                   "allreduce_timeout": 60.0, "next_chunk_timeout": 10.0, "state_download_timeout": 60.0,
                   "progress_ttl": 60.0},
@@ -336,6 +338,9 @@ def run_diloco(cfg: Config, data: TextData, num_peers: int, outer_steps: int) ->
             "outer_steps": outer_steps,
             "inner_steps_per_peer": inner_steps,
             "bytes_per_peer": bytes_per_peer,
+            # τ run: the mean of the inner steps that ran beside each sync, before its merge (outer.sync_delay)
+            "overlap_steps": statistics.mean(r.get("overlap_steps", 0) for h in histories
+                                             for r in h.outer_step_records() or [{}]),
             **swarm_consistency(histories, num_peers),
         },
     )

@@ -31,7 +31,9 @@ Variants (names for --variants; [outer] settings, see p2p_diloco/config.py):
 - `defaults`: the shipped [outer] and [swarm] defaults, the lead of ``swarm.match_ahead`` included (a peer
   says it is ready a few inner steps before its Δ is taken: p2p_diloco/train/match_ahead.py);
 - `defaults-ahead`: the same with ``swarm.match_ahead = true`` said outright (the default since issue 24);
-- `defaults-no-lead`: the same with ``swarm.match_ahead = false``.
+- `defaults-no-lead`: the same with ``swarm.match_ahead = false``;
+- `defaults-fixed-tau-5`: the defaults with the overlap of before issue 24's adaptive τ, exactly 5 inner steps
+  beside every sync (``outer.sync_delay = 5``, ``outer.fixed_sync_delay = true``).
 Every variant but the `defaults` ones starts from DiLoCo's blocking fp32 sync (DILOCO) and changes what it names.
 
 Per setting and peer, from its metrics file (`outer_step` records):
@@ -135,7 +137,9 @@ def fragments_for(raw: dict) -> int:
     return 4 if raw["model"]["num_layers"] >= 4 else 2
 
 
-DILOCO = {"codec": "none", "error_feedback": False, "fragments": 1, "sync_delay": 0, "merge_alpha": 0.0}
+# an overlap that a variant asks for is Streaming DiLoCo's fixed τ
+DILOCO = {"codec": "none", "error_feedback": False, "fragments": 1, "sync_delay": 0, "fixed_sync_delay": True,
+          "merge_alpha": 0.0}
 
 
 def variants(codecs: list[str], fragments: int) -> dict[str, dict]:
@@ -149,6 +153,7 @@ def variants(codecs: list[str], fragments: int) -> dict[str, dict]:
     table["overlap-max-4bit"] = {**DILOCO, **overlap_4bit, "sync_delay": 1000}  # lowered to H − 1
     table["defaults"] = {}
     table["defaults-ahead"], table["defaults-no-lead"] = {}, {}  # with SWARM_SETTINGS' change
+    table["defaults-fixed-tau-5"] = {"sync_delay": 5, "fixed_sync_delay": True}
     return table
 
 
@@ -353,6 +358,7 @@ def analyse(run_dir: Path, num_peers: int, outer_steps: int, fragments: int) -> 
             phases={phase: statistics.median(r["sync_phases"].get(phase, 0.0) for r in later)
                     for phase in PHASES} if later and all("sync_phases" in r for r in later) else None,
             lead_steps=statistics.mean(r.get("lead_steps", 0) for r in later) if later else None,
+            overlap_steps=statistics.mean(r.get("overlap_steps", 0) for r in later) if later else None,  # τ run
             blocked_per_sync=statistics.median(r["blocked_seconds"] for r in later) if later else None,
         )
     one_hash = (sorted(by_step) == list(range(1, expected_steps + 1))
@@ -402,13 +408,13 @@ def table(results: list[dict]) -> str:
 
 def phase_table(results: list[dict]) -> str:
     """Where the syncs' seconds went: per variant, the mean over peers of each peer's median per phase."""
-    rows = ["| layout | variant | lead inner steps | " + " | ".join(f"{phase} s" for phase in PHASES) +
-            " | blocked s per sync |", "|---|---|---:|" + "---:|" * (len(PHASES) + 1)]
+    rows = ["| layout | variant | lead inner steps | τ run | " + " | ".join(f"{phase} s" for phase in PHASES) +
+            " | blocked s per sync |", "|---|---|---:|---:|" + "---:|" * (len(PHASES) + 1)]
     for r in results:
         peers = list(r["analysis"]["peers"].values())
         cells = [mean_range([p["phases"][phase] if p["phases"] else None for p in peers], ".2f") for phase in PHASES]
         rows.append(f"| {r['layout']} | {r['variant']} | {mean_range([p['lead_steps'] for p in peers], '.1f')} | "
-                    + " | ".join(cells) + f" | {mean_range([p['blocked_per_sync'] for p in peers], '.2f')} |")
+                    f"{mean_range([p['overlap_steps'] for p in peers], '.1f')} | " + " | ".join(cells) + f" | {mean_range([p['blocked_per_sync'] for p in peers], '.2f')} |")
     return "\n".join(rows)
 
 

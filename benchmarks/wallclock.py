@@ -28,8 +28,11 @@ sequences per peer per step, inner AdamW and lr schedule; peer i reads the same 
   (lr 0.7, momentum 0.9). Its model at the end is θ_global of the peer with the most outer steps (the
   inner steps since the last outer step are not in it).
 - **streaming DiLoCo, 4-bit** (arXiv 2501.18512): the same with [outer] codec = "fp4-e3m0",
-  error_feedback = true, fragments = 2 (the model has 2 layers, so P ≤ 2), sync_delay = -1 (the
-  longest overlap, H/P − 1 inner steps), merge_alpha = 0.5.
+  error_feedback = true, fragments = 2 (the model has 2 layers, so P ≤ 2), sync_delay = -1 with
+  fixed_sync_delay = true (the longest overlap, H/P − 1 inner steps, every time), merge_alpha = 0.5.
+- **defaults** and **defaults-fixed-tau-5** (not run unless --methods names them): DiLoCo with the shipped
+  [outer] defaults (4-bit with error feedback, α = 0.5, the overlap ending with the first inner step after
+  the sync, 10 at most), and the same with the overlap of before, exactly 5 inner steps.
 
 The swarm timeouts are the same for all methods (matchmaking 1 s, request timeout 0.5 s); only
 data-parallel's averager also has the group size 4. The model and data are benchmarks/quality.py's
@@ -77,10 +80,17 @@ METHODS = {  # name: [outer] settings (None: data-parallel)
     "dp": None,
     "diloco": {"codec": "none"},
     "streaming-4bit": {"codec": "fp4-e3m0", "error_feedback": True, "fragments": 2, "sync_delay": -1,
-                       "merge_alpha": 0.5},
+                       "fixed_sync_delay": True, "merge_alpha": 0.5},
+    # the shipped [outer] defaults (the overlap ends with the sync, 10 inner steps at most), and before them
+    "defaults": {"codec": "fp4-e3m0", "error_feedback": True, "sync_delay": 10, "fixed_sync_delay": False,
+                 "merge_alpha": 0.5},
+    "defaults-fixed-tau-5": {"codec": "fp4-e3m0", "error_feedback": True, "sync_delay": 5, "fixed_sync_delay": True,
+                             "merge_alpha": 0.5},
 }
 LABELS = {"dp": "data-parallel (all-reduce every step, fp32)", "diloco": "DiLoCo (fp32)",
-          "streaming-4bit": "streaming DiLoCo, 4-bit (fp4-e3m0 + error feedback, P=2, τ=H/P−1, α=0.5)"}
+          "streaming-4bit": "streaming DiLoCo, 4-bit (fp4-e3m0 + error feedback, P=2, τ=H/P−1, α=0.5)",
+          "defaults": "the defaults: 4-bit DiLoCo, τ ≤ 10 ending with the sync, α=0.5",
+          "defaults-fixed-tau-5": "4-bit DiLoCo, τ = 5 fixed, α=0.5 (the defaults before)"}
 SWARM = {"matchmaking_time": 1.0, "request_timeout": 0.5, "round_wait_timeout": 30.0, "allreduce_timeout": 30.0,
          "next_chunk_timeout": 5.0, "commit_timeout": 10.0, "progress_ttl": 60.0, "start_wait_timeout": 120.0}
 DP_FINISH_GRACE_S = 10.0  # a data-parallel round in flight at the deadline may finish within this
@@ -462,7 +472,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=240.0, help="seconds of training per method (wall clock)")
     parser.add_argument("--mbit", type=float, default=100.0, help="rate of every link, each direction")
     parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    parser.add_argument("--methods", default="dp,diloco,streaming-4bit", help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--inner-steps", type=int, default=50, help="H, DiLoCo's inner steps per outer step")
     parser.add_argument("--total-steps", type=int, default=None,
                         help=f"steps of the lr schedule (default: budget × {STEPS_PER_SECOND:g}, what a DiLoCo peer "
