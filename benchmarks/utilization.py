@@ -413,8 +413,9 @@ def phase_table(results: list[dict]) -> str:
     for r in results:
         peers = list(r["analysis"]["peers"].values())
         cells = [mean_range([p["phases"][phase] if p["phases"] else None for p in peers], ".2f") for phase in PHASES]
-        rows.append(f"| {r['layout']} | {r['variant']} | {mean_range([p['lead_steps'] for p in peers], '.1f')} | "
-                    f"{mean_range([p['overlap_steps'] for p in peers], '.1f')} | " + " | ".join(cells) + f" | {mean_range([p['blocked_per_sync'] for p in peers], '.2f')} |")
+        steps = [mean_range([p[key] for p in peers], ".1f") for key in ("lead_steps", "overlap_steps")]
+        blocked = mean_range([p["blocked_per_sync"] for p in peers], ".2f")
+        rows.append(f"| {r['layout']} | {r['variant']} | " + " | ".join(steps + cells) + f" | {blocked} |")
     return "\n".join(rows)
 
 

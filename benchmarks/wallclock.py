@@ -72,24 +72,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from p2p_diloco.config import OuterConfig  # noqa: E402  (after the path: the repository's package)
+
 # inner steps per second of a DiLoCo peer, 4 peers on 2 idle cores (estimated: ~0.09 s a step on one thread, two
 # peers per core, and the syncs)
 STEPS_PER_SECOND = 4.0
 LOCAL_BATCH_SIZE = 16
+SHIPPED_SYNC = {key: getattr(OuterConfig(), key)
+                for key in ("codec", "error_feedback", "sync_delay", "fixed_sync_delay", "merge_alpha")}
 METHODS = {  # name: [outer] settings (None: data-parallel)
     "dp": None,
     "diloco": {"codec": "none"},
     "streaming-4bit": {"codec": "fp4-e3m0", "error_feedback": True, "fragments": 2, "sync_delay": -1,
                        "fixed_sync_delay": True, "merge_alpha": 0.5},
-    # the shipped [outer] defaults (the overlap ends with the sync, 10 inner steps at most), and before them
-    "defaults": {"codec": "fp4-e3m0", "error_feedback": True, "sync_delay": 10, "fixed_sync_delay": False,
-                 "merge_alpha": 0.5},
-    "defaults-fixed-tau-5": {"codec": "fp4-e3m0", "error_feedback": True, "sync_delay": 5, "fixed_sync_delay": True,
-                             "merge_alpha": 0.5},
+    # the shipped [outer] defaults of how the sync goes, over quality.py's DiLoCo base; and with the overlap of
+    # before issue 24's adaptive τ
+    "defaults": SHIPPED_SYNC,
+    "defaults-fixed-tau-5": {**SHIPPED_SYNC, "sync_delay": 5, "fixed_sync_delay": True},
 }
 LABELS = {"dp": "data-parallel (all-reduce every step, fp32)", "diloco": "DiLoCo (fp32)",
           "streaming-4bit": "streaming DiLoCo, 4-bit (fp4-e3m0 + error feedback, P=2, τ=H/P−1, α=0.5)",
-          "defaults": "the defaults: 4-bit DiLoCo, τ ≤ 10 ending with the sync, α=0.5",
+          "defaults": "the defaults: 4-bit DiLoCo, the overlap ending with the sync (τ ≤ 10), α=0.5",
           "defaults-fixed-tau-5": "4-bit DiLoCo, τ = 5 fixed, α=0.5 (the defaults before)"}
 SWARM = {"matchmaking_time": 1.0, "request_timeout": 0.5, "round_wait_timeout": 30.0, "allreduce_timeout": 30.0,
          "next_chunk_timeout": 5.0, "commit_timeout": 10.0, "progress_ttl": 60.0, "start_wait_timeout": 120.0}
