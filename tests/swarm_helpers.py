@@ -105,6 +105,15 @@ def outer_steps(metrics: Path) -> list[dict]:
     return events(metrics, "outer_step")
 
 
+def timeline(metrics: Path) -> str:
+    """A peer's rounds in one line for a failed assertion: each outer step with its group size, and every
+    round that went another way (skipped, failed, a state loaded or refused) with its step."""
+    rounds = [r for r in read_metrics(metrics) if r["event"].startswith(("outer_step", "round_", "state_"))] \
+        if metrics.exists() else []
+    return " ".join(f"{r['event']}@{r['outer_step']}" + (f"x{r['group_size']}" if r["event"] == "outer_step" else "")
+                    for r in rounds)
+
+
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.5) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -126,12 +135,17 @@ FAST_TIMEOUTS = {"next_chunk_timeout": 3.0, "round_wait_timeout": 15.0, "progres
 
 
 def swarm(processes: Processes, tmp_path: Path, n: int, faults_by_peer: dict | None = None, **sections):
-    """A bootstrap node and n peers on the tiny config with short timeouts; returns (maddr, config, metrics files)."""
+    """A bootstrap node and n peers on the tiny config with short timeouts; returns (maddr, config, metrics files).
+
+    The peers start together as a user starts them (``--wait-for-peers n``): none takes its first outer steps
+    alone while the others still import torch, which on a loaded machine left a slow peer loading states that
+    were stale by the time they arrived (CI, stop 40)."""
     sections["swarm"] = {**FAST_TIMEOUTS, **sections.get("swarm", {})}
     config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, **sections)
     maddr = start_bootstrap(processes)
     faults_by_peer = faults_by_peer or {}
-    metrics = [start_peer(processes, f"peer{i}", config, maddr, faults=faults_by_peer.get(i, "")) for i in range(n)]
+    metrics = [start_peer(processes, f"peer{i}", config, maddr, "--wait-for-peers", str(n),
+                          faults=faults_by_peer.get(i, "")) for i in range(n)]
     return maddr, config, metrics
 
 

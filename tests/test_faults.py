@@ -18,7 +18,7 @@ from p2p_diloco.process_tree import is_running
 from tests.conftest import TINY, descendants
 from tests.swarm_helpers import (
     FAST_TIMEOUTS, assert_consistent, hashes_by_step, last_step, outer_steps, peer_id_of, proc, start_bootstrap,
-    start_peer, swarm, tiny_config_file, wait_for_steps, wait_until,
+    start_peer, swarm, timeline, tiny_config_file, wait_for_steps, wait_until,
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
@@ -34,7 +34,7 @@ def test_a_slow_peer_contributes_what_it_managed_and_killed_in_its_inner_steps_c
     assert_consistent(metrics)
     slow = [r for r in outer_steps(metrics[2]) if r["group_size"] == 3]
     fast = [r for r in outer_steps(metrics[0]) if r["group_size"] == 3]
-    assert slow and fast
+    assert slow and fast, f"slow peer: {timeline(metrics[2])}; fast peer: {timeline(metrics[0])}"
     # each round closed when the fast peers were done: the slow one took part with fewer samples
     assert sum(r["samples"] for r in slow) / len(slow) < sum(r["samples"] for r in fast) / len(fast)
 
