@@ -339,8 +339,8 @@ def run_diloco(cfg: Config, data: TextData, num_peers: int, outer_steps: int) ->
             "inner_steps_per_peer": inner_steps,
             "bytes_per_peer": bytes_per_peer,
             # τ run: the mean of the inner steps that ran beside each sync, before its merge (outer.sync_delay)
-            "overlap_steps": statistics.mean(r.get("overlap_steps", 0) for h in histories
-                                             for r in h.outer_step_records() or [{}]),
+            "overlap_steps": statistics.mean([r.get("overlap_steps", 0) for h in histories
+                                              for r in h.outer_step_records()] or [0]),
             **swarm_consistency(histories, num_peers),
         },
     )

@@ -28,12 +28,14 @@ class FragmentSchedule:
     for a sync that is slower. With a fixed τ, a sync that ends after one step leaves its mean τ − 1 steps
     stale, and one that outlasts τ steps idles the compute. Unless `fixed_delay`, τ = `sync_delay` is the
     most: the outer step is applied after the first inner step that ends with the sync done. The paper
-    measures the loss within 0.2 % of τ = 1 up to τ = 10 (its ablation of the overlap); θ_global is the same on every peer
-    whatever each one's τ, since only the merge into a peer's own θ_local comes after those steps.
+    measures the loss within 0.2 % of τ = 1 up to τ = 10 (its ablation of the overlap); θ_global is the
+    same on every peer whatever each one's τ, since only the merge into a peer's own θ_local comes after
+    those steps.
     """
 
-    def __init__(self, fragments: list[list[int]], steps_per_outer: int, sync_delay: int, fixed_delay: bool = True):
-        """`sync_delay` is τ (the most, unless `fixed_delay`), or -1 for the longest overlap the schedule allows."""
+    def __init__(self, fragments: list[list[int]], steps_per_outer: int, sync_delay: int, fixed_delay: bool = False):
+        """`sync_delay` is τ (the most, unless `fixed_delay`), or -1 for the longest overlap the schedule allows;
+        `fixed_delay` is ``outer.fixed_sync_delay``, with its default."""
         self.fragments = fragments
         self.fixed_delay = fixed_delay
         self.steps_per_sync = steps_per_outer // len(fragments)  # H / P

@@ -78,7 +78,7 @@ def test_kill_mid_allreduce(processes, tmp_path):
     # docs/design.md; another had a first round at start-up that found no group)
     events = [[r for r in read_metrics(m) if r["event"] in ("round_failed", "outer_step", "state_loaded")]
               for m in metrics[:2]]
-    seen = "; ".join(" ".join(f"{r['event']}@{r['outer_step']}" for r in survivor) for survivor in events)
+    seen = "; ".join(timeline(m) for m in metrics[:2])
     first_failures = [next((i for i, r in enumerate(survivor) if r["event"] == "round_failed"
                             and r["outer_step"] >= at_kill), None) for survivor in events]
     failed = [(survivor, i) for survivor, i in zip(events, first_failures) if i is not None]
