@@ -38,6 +38,18 @@ def load(path):
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def frozen_with_its_records(peer, metrics, checkpoint) -> bool:
+    """Freeze `peer` (SIGSTOP) and keep it frozen if its checkpoint's outer step is its last recorded one; else let
+    it go on. It saves the checkpoint before it writes the step's record (DiLoCoPeer, so that no record is of a
+    step its checkpoint lacks): killed between the two, its records would lack the step for good, and the
+    accounting below could not be checked (seen in CI)."""
+    peer.send_signal(signal.SIGSTOP)
+    if load(checkpoint)["outer_step"] == outer_steps(metrics)[-1]["outer_step"]:
+        return True
+    peer.send_signal(signal.SIGCONT)
+    return False
+
+
 def batches_accounted_for(records: list[dict], checkpoint: dict) -> int:
     """Samples in the applied outer steps up to the checkpoint's, plus those still only in its θ_local
     (one fragment). A step recorded twice (before a kill and after the restart) counts once, as the later."""
@@ -54,6 +66,9 @@ def test_a_peer_killed_between_syncs_resumes_its_local_work(processes, tmp_path)
     identity = ["--checkpoint-dir", str(ckpt), "--identity-path", str(tmp_path / "peer.key")]
     metrics = start_peer(processes, "peer", config, maddr, *identity)
     wait_until(running(processes, "peer", lambda: len(outer_steps(metrics)) >= 3), 240, "three outer steps")
+    wait_until(running(processes, "peer", lambda: frozen_with_its_records(latest(processes, "peer"), metrics,
+                                                                         ckpt / "checkpoint.pt")),
+               60, "the peer frozen with its checkpoint at its last recorded step")
     processes.kill(latest(processes, "peer"))  # SIGKILL: nothing is written on the way out
     saved = load(ckpt / "checkpoint.pt")
     batch_size = TINY["inner"]["batch_size"]
