@@ -61,8 +61,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from p2p_diloco.config import Config, load_config  # noqa: E402
+from p2p_diloco.train.data import largest_token_id  # noqa: E402
 from p2p_diloco.train.inner import InnerTrainer, prepare_for_compute  # noqa: E402
-from p2p_diloco.train.model import build_model, largest_token_id, trainable_parameters  # noqa: E402
+from p2p_diloco.train.model import build_model, trainable_parameters  # noqa: E402
 from p2p_diloco.train.transfer import FlatTransfer  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "peers" / "llama-150m-c4.toml"

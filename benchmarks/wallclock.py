@@ -153,8 +153,9 @@ def worker_main(argv: list[str]) -> None:
     import torch
 
     from p2p_diloco.config import config_from_dict, shared_settings
-    from p2p_diloco.node_runner import setup_logging, shutdown_dht
+    from p2p_diloco.logs import setup_logging
     from p2p_diloco.process_tree import children_exit_with_this_process
+    from p2p_diloco.stopping import shutdown_dht
     from p2p_diloco.swarm.node import start_run_node
     from p2p_diloco.train.data import TextData, order_seed, tokenizer_sha256
     from p2p_diloco.train.model import build_model

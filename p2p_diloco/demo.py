@@ -295,7 +295,7 @@ def run_demo(num_peers: int, outer_steps: int, config_path: Optional[str], out: 
     log_to_stderr(verbose=False)
     config = Path(config_path) if config_path else DEFAULT_CONFIG
     from p2p_diloco.config import ConfigError, load_config
-    from p2p_diloco.node_runner import EXIT_USAGE, fail
+    from p2p_diloco.exit_codes import EXIT_USAGE, fail
     from p2p_diloco.train.data import DataError, TextData
 
     if not config.exists():

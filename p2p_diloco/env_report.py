@@ -47,7 +47,7 @@ def devices() -> dict:
 def check_reachability(initial_peers: Sequence[str], host: str, port: int, announce_ip: Optional[str]) -> dict:
     """The dial-back check, from a node on `host`:`port` that joins the swarm through `initial_peers` and
     leaves at once. Raises ConnectionError or NodeAddressError (one line each)."""
-    from p2p_diloco.node_runner import shutdown_dht
+    from p2p_diloco.stopping import shutdown_dht
     from p2p_diloco.swarm.identity import Identity
     from p2p_diloco.swarm.node import peer_ids_of, start_dht
     from p2p_diloco.swarm.reachability import probe
@@ -109,7 +109,8 @@ def format_report(report: dict) -> str:
 def run_env(initial_peers: Sequence[str], host: str, port: int, announce_ip: Optional[str], as_json: bool) -> int:
     """The `env` command: print the report (text or JSON); exit status 0, or 2 or 3 (one line) when the
     dial-back check could not join the swarm."""
-    from p2p_diloco.node_runner import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, fail, setup_logging
+    from p2p_diloco.exit_codes import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, fail
+    from p2p_diloco.logs import setup_logging
     from p2p_diloco.swarm.node import NodeAddressError
 
     reachability = NOT_CHECKED

@@ -211,8 +211,8 @@ def run_export(checkpoint_dir: str, out: str, config_path: Optional[str], force:
     """The `export` command: export, then say what was written, and with `push_to_hub` upload it
     (p2p_diloco.hub_publish; the token is checked first). An error is one line and exit status 2."""
     from p2p_diloco.config import ConfigError
-    from p2p_diloco.hub_publish import check_repo_id, hub_token, push_folder
-    from p2p_diloco.node_runner import EXIT_OK, EXIT_USAGE, fail
+    from p2p_diloco.exit_codes import EXIT_OK, EXIT_USAGE, fail
+    from p2p_diloco.hub_publish import HubError, check_repo_id, hub_token, push_folder
     from p2p_diloco.train.data import DataError
 
     try:
@@ -223,7 +223,7 @@ def run_export(checkpoint_dir: str, out: str, config_path: Optional[str], force:
             check_repo_id(push_to_hub)
             token = hub_token()
         record = export_checkpoint(checkpoint_dir, out, config_path, force)
-    except (ExportError, ConfigError, DataError) as e:
+    except (ExportError, HubError, ConfigError, DataError) as e:
         return fail(str(e), EXIT_USAGE)
     run = f"run {record['run_name']!r}, " if record["run_name"] else ""
     what = f"θ_global ({run}outer step {record['outer_step']}, global {record['global_sha256'][:12]})"
@@ -232,7 +232,7 @@ def run_export(checkpoint_dir: str, out: str, config_path: Optional[str], force:
     if push_to_hub:
         try:
             url = push_folder(out, push_to_hub, private, token, f"p2p-diloco export of {what}")
-        except ExportError as e:
+        except HubError as e:
             return fail(str(e), EXIT_USAGE)
         print(f"pushed to {url}: load it with AutoModelForCausalLM.from_pretrained({push_to_hub!r})", flush=True)
     return EXIT_OK

@@ -10,7 +10,10 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from p2p_diloco.export import ExportError
+
+class HubError(ValueError):
+    """The hub cannot take the export as asked (no token, a bad repo id, a refused upload); the message is
+    one line for the user."""
 
 
 def _one_line(error: Exception) -> str:
@@ -19,31 +22,31 @@ def _one_line(error: Exception) -> str:
 
 
 def check_repo_id(repo_id: str) -> None:
-    """ExportError unless `repo_id` is a hub repository id (NAME or ORG/NAME)."""
+    """HubError unless `repo_id` is a hub repository id (NAME or ORG/NAME)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:
-        raise ExportError(f"--push-to-hub {repo_id!r} is not a hub repository id (NAME or ORG/NAME): "
-                          f"{_one_line(e)}") from None
+        raise HubError(f"--push-to-hub {repo_id!r} is not a hub repository id (NAME or ORG/NAME): "
+                       f"{_one_line(e)}") from None
 
 
 def hub_token() -> str:
-    """The Hugging Face token this user is logged in with; ExportError (one line) when there is none."""
+    """The Hugging Face token this user is logged in with; HubError (one line) when there is none."""
     from huggingface_hub import get_token
 
     token = get_token()
     if not token:
-        raise ExportError("--push-to-hub needs a Hugging Face token with write access: log in with `hf auth login` "
-                          "or set HF_TOKEN")
+        raise HubError("--push-to-hub needs a Hugging Face token with write access: log in with `hf auth login` "
+                       "or set HF_TOKEN")
     return token
 
 
 def push_folder(folder: str | os.PathLike, repo_id: str, private: bool, token: str,
                 commit_message: Optional[str] = None) -> str:
     """Create the model repo `repo_id` (private if `private`; an existing repo keeps its visibility) and
-    upload every file of `folder` to it in one commit; returns the repo's URL. ExportError (one line)
+    upload every file of `folder` to it in one commit; returns the repo's URL. HubError (one line)
     when the hub refuses or cannot be reached."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
@@ -54,6 +57,6 @@ def push_folder(folder: str | os.PathLike, repo_id: str, private: bool, token: s
         api.upload_folder(folder_path=str(folder), repo_id=url.repo_id, repo_type="model",
                           commit_message=commit_message)
     except (HfHubHTTPError, OSError, ValueError) as e:  # refused (no write access, ...), or no network
-        raise ExportError(f"--push-to-hub {repo_id}: the upload failed: {_one_line(e)} (the model is exported in "
-                          f"{str(folder)!r}; try again with --force)") from None
+        raise HubError(f"--push-to-hub {repo_id}: the upload failed: {_one_line(e)} (the model is exported in "
+                       f"{str(folder)!r}; try again with --force)") from None
     return str(url)

@@ -29,10 +29,10 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from p2p_diloco.config import load_config, settings_fingerprint
+from p2p_diloco.exit_codes import EXIT_USAGE
 from p2p_diloco.export import EXPORT_RECORD, run_export
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.metrics import read_metrics
-from p2p_diloco.node_runner import EXIT_USAGE
 from p2p_diloco.train.checkpoint import (EXPORT_RUN_FILE, checkpoint_path, export_assets_path, load_checkpoint,
                                          save_checkpoint, save_export_assets)
 from p2p_diloco.train.data import TextData

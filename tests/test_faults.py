@@ -242,7 +242,8 @@ def test_restart_from_checkpoint(processes, tmp_path):
 
 SIGNALLED = """
 import os, signal, sys, time
-from p2p_diloco.node_runner import install_stop_handlers, setup_logging
+from p2p_diloco.logs import setup_logging
+from p2p_diloco.stopping import install_stop_handlers
 setup_logging(False)
 stop = install_stop_handlers()
 stop.set()  # the peer is leaving already, for another reason (an error): the event is set as it leaves

@@ -19,8 +19,8 @@ import sys
 import pytest
 import torch
 
+from p2p_diloco.exit_codes import EXIT_OTHER_SETTINGS, EXIT_USAGE
 from p2p_diloco.manifest import lock_state_dir
-from p2p_diloco.node_runner import EXIT_OTHER_SETTINGS, EXIT_USAGE
 from tests.cli_run import invoke_cli
 from tests.conftest import REPO
 from tests.swarm_helpers import (

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco import node_runner
+from p2p_diloco import exit_codes
 from p2p_diloco.manifest import find_manifest
 from tests.cli_parse import subcommand_context
 
@@ -117,7 +117,7 @@ def test_a_shown_benchmark_exists_with_its_flags(shown):
 
 def test_every_exit_status_is_in_the_readme():
     table = dict(re.findall(r"^\| `(\d+)` \| (.+) \|$", README.read_text(), flags=re.MULTILINE))
-    statuses = {name: value for name, value in vars(node_runner).items()
+    statuses = {name: value for name, value in vars(exit_codes).items()
                 if name.startswith("EXIT_") and isinstance(value, int)}
     assert statuses
     for name, value in statuses.items():

@@ -10,10 +10,11 @@ from typing import Iterator
 import pytest
 
 from p2p_diloco.config import run_fingerprint, settings_differences, settings_fingerprint, shared_settings
-from p2p_diloco.status_command import format_run, run_rows
+from p2p_diloco.status_command import format_run
 from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.records import RecordPublisher, StatusValue
 from p2p_diloco.swarm.status import PeerStatus, StatusPublisher, choose_shard, parse_status, settings_mismatch
+from p2p_diloco.swarm.status_report import run_rows
 from tests.conftest import tiny_config
 
 CFG = tiny_config()

@@ -1,6 +1,6 @@
 """What a run's page remembers: one point per outer step of a few series, in bounded memory.
 
-Each reading of the run's status records (:func:`p2p_diloco.status_command.read_runs`) gives the
+Each reading of the run's status records (:func:`p2p_diloco.swarm.status_report.read_runs`) gives the
 run's current outer step and, from the records of the peers on the run's settings, one value per
 series. The records are the peers' claims (signed, schema-checked, never verified), so a series
 takes the *median* over the peers, which one stranger cannot move far; only the throughput and
@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from p2p_diloco.status_command import main_fingerprint
+from p2p_diloco.swarm.status_report import main_fingerprint
 
 MAX_POINTS = 1024  # per series: thinned by half when full
 MAX_TRACKED_PEERS = 10_000  # peers whose samples the run's token count follows; older ones are folded in

@@ -14,8 +14,8 @@ import time
 from typing import Any, Optional
 
 from p2p_diloco.run_page.history import KEEPING, SERIES
-from p2p_diloco.status_command import COLUMNS, peer_cells
 from p2p_diloco.swarm.status import EXCLUDED_AFTER_ROUNDS
+from p2p_diloco.swarm.status_report import COLUMNS, peer_cells
 
 PLOT_W, PLOT_H = 340, 150
 MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 52, 10, 22, 22

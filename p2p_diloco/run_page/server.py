@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from p2p_diloco.run_page.history import RunHistory
 from p2p_diloco.run_page.render import render_main, render_page
-from p2p_diloco.status_command import read_runs
+from p2p_diloco.swarm.status_report import read_runs
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ STATIC = {"/page.js": "text/javascript; charset=utf-8", "/page.css": "text/css; 
 
 
 class RunPage:
-    """The page of the runs that `read` returns (as :func:`~p2p_diloco.status_command.read_runs` does),
+    """The page of the runs that `read` returns (as :func:`~p2p_diloco.swarm.status_report.read_runs` does),
     served on `host`:`port` (0: any free port).
 
     :meth:`read_swarm` reads once; the reader thread does it every `refresh_s` seconds. Raises OSError if

@@ -35,7 +35,6 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from p2p_diloco.config import DataConfig
-from p2p_diloco.train.model import largest_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +248,12 @@ def tokenizer_sha256(tokenizer) -> str:
     else:
         spec = {"vocab": sorted(tokenizer.get_vocab().items()), "special": sorted(tokenizer.all_special_tokens)}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def largest_token_id(tokenizer) -> int:
+    """The largest id the tokenizer can emit: its vocabulary, added tokens and EOS may leave gaps past len()."""
+    eos = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, int) else 0
+    return max(max(tokenizer.get_vocab().values(), default=0), len(tokenizer) - 1, eos)
 
 
 # ----- sequences and batches ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from p2p_diloco.config import Config, ConfigError, ModelConfig, shared_settings
+from p2p_diloco.train.data import largest_token_id, tokenizer_sha256
 from p2p_diloco.train.init_weights import UnsupportedInitialiser, seeded_initialisation
 from p2p_diloco.train.pretrained import load_pretrained, pretrained_config, weights_sha256
 
@@ -99,12 +100,6 @@ def fit_vocabulary(model_config, vocab_size: int) -> None:
                 setattr(config, key, [i for i in ids if i < vocab_size] or None)
 
 
-def largest_token_id(tokenizer) -> int:
-    """The largest id the tokenizer can emit: its vocabulary, added tokens and EOS may leave gaps past len()."""
-    eos = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, int) else 0
-    return max(max(tokenizer.get_vocab().values(), default=0), len(tokenizer) - 1, eos)
-
-
 def check_vocabulary_fits(model: PreTrainedModel, tokenizer, model_name: str, tokenizer_name: str) -> None:
     """A token id the embedding cannot look up fails mid-run (a CUDA device-side assert): refuse it at start.
 
@@ -143,8 +138,6 @@ def run_settings(cfg: Config, tokenizer, model: PreTrainedModel) -> dict:
     """The run's shared settings (:func:`p2p_diloco.config.shared_settings`) with this tokenizer and, for a
     pretrained run, the sha256 of `model`'s weights: call it on the model :func:`build_run_model` gave,
     before any step changes it."""
-    from p2p_diloco.train.data import tokenizer_sha256  # data imports this module
-
     return shared_settings(cfg, tokenizer_sha256(tokenizer), weights_sha256(model) if cfg.model.pretrained else None)
 
 
