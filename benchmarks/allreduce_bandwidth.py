@@ -237,7 +237,7 @@ def run_worker(args) -> None:
     from p2p_diloco.hashing import tensors_sha256
     from p2p_diloco.swarm.node import start_run_node, visible_maddrs
     from p2p_diloco.sync.codecs import CODECS, bytes_per_parameter
-    from p2p_diloco.sync.membership import MAX_LEADERS, Membership, leader_rank
+    from p2p_diloco.protocol.membership import MAX_LEADERS, Membership, leader_rank
     from p2p_diloco.sync.outer_sync import OuterSync, RoundFailed
 
     process_tree.children_exit_with_this_process()  # killed, it takes its DHT, averager and p2pd along

@@ -60,7 +60,7 @@ from p2p_diloco.swarm.records import AssistanceRequest
 from p2p_diloco.sync.assistant import Assistant
 from p2p_diloco.sync.audit import ReducerAudit
 from p2p_diloco.sync.exact_allreduce import ExactAllReduceRunner
-from p2p_diloco.sync.membership import Membership
+from p2p_diloco.protocol.membership import Membership
 from p2p_diloco.sync.outer_sync import OuterSync, PendingDelta, RoundFailed
 from p2p_diloco.sync.robust import AggregationRule
 from p2p_diloco.train.error_feedback import ErrorFeedback

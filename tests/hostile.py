@@ -61,7 +61,8 @@ from p2p_diloco.swarm.progress import read_progress
 from p2p_diloco.swarm.records import progress_key, rounds_key, runs_key, status_key
 from p2p_diloco.swarm.status import first_status
 from p2p_diloco.sync.group_screen import GroupScreen
-from p2p_diloco.sync.membership import PlannedMatchmaking, plan_membership
+from p2p_diloco.protocol.membership import plan_membership
+from p2p_diloco.sync.membership import PlannedMatchmaking
 from p2p_diloco.sync.outer_sync import averager_prefix, group_bits
 from p2p_diloco.train.data import TextData, tokenizer_sha256
 from p2p_diloco.train.model import build_model, trainable_parameters

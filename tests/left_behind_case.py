@@ -58,6 +58,7 @@ def main() -> None:
         sync = OuterSync(nodes[0].dht, "test", FINGERPRINT, nodes[0].identity.record_subkey, [torch.Size([8])], CFG,
                          state_provider=lambda: ({}, []))
         for p in progress:
+            p.publish(3, STATE, TRAINING)  # a peer's phases follow protocol.phases.TRANSITIONS
             p.publish(3, STATE, READY)
         other = nodes[1].dht.peer_id.to_base58()  # records are stored in the background: "me" reads the other's
         wait_until(lambda: other in progress[0].fetch(), PLANNED_S, "the other peer's record", poll_s=0.1)

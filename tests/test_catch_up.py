@@ -3,7 +3,8 @@
 import pytest
 
 from p2p_diloco.swarm.progress import KEEPING, READY, TRAINING, PeerProgress, RunHistory
-from p2p_diloco.train.catch_up import CatchUpWait, NoStateSource, behind_alone
+from p2p_diloco.protocol.plans import behind_alone
+from p2p_diloco.train.catch_up import CatchUpWait, NoStateSource
 
 ME, OTHER = "QmMe", "QmOther"
 

@@ -16,7 +16,8 @@ from p2p_diloco.metrics import read_metrics
 from p2p_diloco.swarm.progress import LOADING, READY, TRAINING, PeerProgress
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
 from p2p_diloco.sync import membership
-from p2p_diloco.sync.membership import HOLD_S, MAX_LEADERS, PlannedMatchmaking, plan_membership
+from p2p_diloco.protocol.membership import MAX_LEADERS, plan_membership
+from p2p_diloco.sync.membership import HOLD_S, PlannedMatchmaking
 from tests.allreduce_case import START
 from tests.swarm_helpers import (
     FAST_TIMEOUTS, assert_consistent, outer_steps, proc, start_bootstrap, start_peer, tiny_config_file,

@@ -5,9 +5,9 @@ from dataclasses import replace
 import pytest
 
 from p2p_diloco.swarm.identity import Identity
+from p2p_diloco.protocol.plans import agreed_sha256, plan_averaging, plan_round
 from p2p_diloco.swarm.progress import (
-    LEFT, LOADING, READY, TRAINING, PeerProgress, SilentPeers, agreed_sha256, merge_seen, parse_progress,
-    plan_averaging, plan_round,
+    LEFT, LOADING, READY, TRAINING, PeerProgress, SilentPeers, merge_seen, parse_progress,
 )
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
 from p2p_diloco.sync.assistant import RoundsToAssist, step_needing_help

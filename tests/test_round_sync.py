@@ -28,6 +28,7 @@ def sha(text: str) -> str:
 def test_a_round_not_applied_names_its_reason():
     with progress_pair(FINGERPRINT) as (nodes, progress):
         me = nodes[0].dht.peer_id.to_base58()
+        progress[0].publish(3, sha("mine"), TRAINING)  # a peer's phases follow protocol.phases.TRANSITIONS
         progress[0].publish(3, sha("mine"), READY)
         progress[1].publish(4, sha("theirs"), TRAINING)  # the other peer applied outer step 4 already
         wait_until(lambda: len(progress[0].fetch()) == 2, 30, "both progress records")

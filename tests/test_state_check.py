@@ -6,7 +6,8 @@ import torch
 from p2p_diloco.schedule import FragmentSchedule
 from p2p_diloco.swarm.progress import LOADING, READY, TRAINING, PeerProgress
 from p2p_diloco.train.outer import GlobalModel
-from p2p_diloco.train.state_check import choose_target, step_problem, unverified_step_trusted
+from p2p_diloco.protocol.trust import choose_target, unverified_step_trusted
+from p2p_diloco.train.state_check import step_problem
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,7 +8,7 @@ outer momentum), whether the peer is still training toward the next step or read
 the fingerprint of the run settings it trains with. Records of peers with another fingerprint are
 not part of this run's plan: their states cannot be averaged with this peer's.
 
-From these records a peer decides (see :func:`plan_round`):
+From these records a peer decides (:func:`p2p_diloco.protocol.plans.plan_round`):
 
 * it is *behind* when any live peer holds a later outer step: it downloads the state first;
 * it *diverged* when peers at its own step hold another state that more peers share (ties
@@ -30,49 +30,24 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.polling import poll_intervals
 from p2p_diloco.remote_input import warn_once
-from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
-from p2p_diloco.swarm.records import (
-    KEEPING, LEFT, LOADING, READY, TRAINING, ProgressValue, RecordPublisher, progress_key, read_signed, signed_records,
+from p2p_diloco.protocol.ledger import Seen, TrustLedger, merge_seen, without_oldest_expired
+from p2p_diloco.protocol.phases import check_transition
+from p2p_diloco.protocol.view import (
+    DIRECT, KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RunHistory, busy_toward,
 )
+from p2p_diloco.swarm.records import ProgressValue, RecordPublisher, progress_key, read_signed, signed_records
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRAINING", "READY", "LOADING", "KEEPING", "LEFT", "PeerProgress", "SwarmProgress", "RoundPlan",
-           "plan_round", "AveragingPlan", "averaging_peers", "plan_averaging"]
-
-
-@dataclass(frozen=True)
-class PeerProgress:
-    peer_id: str  # the peer whose key signed the record
-    outer_step: int  # outer steps applied to this peer's global state
-    sha256: str  # of that state (θ_global and the outer momentum)
-    # TRAINING toward outer_step + 1, READY to average for it, LOADING the swarm's state at outer_step
-    # (to train toward outer_step + 1 next; its sha256 is not yet that state's), KEEPING the run's state at
-    # outer_step without training (the run's keeper: it serves that state, and nobody waits or averages with it),
-    # or LEFT the swarm
-    phase: str
-    samples: int = 0  # samples in this peer's pseudo-gradient so far
-    time: float = 0.0
-    reachability: str = DIRECT  # DIRECT (others can dial it: it can reduce) or UNREACHABLE
-
-
-@dataclass(frozen=True)
-class RunHistory:
-    """The latest outer step this peer has seen the run at, from the progress records it read on the DHT
-    (those expired since included)."""
-
-    outer_step: int
-    peers: int  # how many peers' records are at that step (live, gone or expired)
-    age_s: float  # seconds since the newest of them was written
+__all__ = ["TRAINING", "READY", "LOADING", "KEEPING", "LEFT", "PeerProgress", "RunHistory", "SwarmProgress",
+           "read_progress", "merge_seen"]
 
 
 def parse_progress(subkey: object, value: object, fingerprint: str) -> Optional[PeerProgress]:
@@ -104,40 +79,6 @@ def _read_expiring(dht: DHT, key: str, fingerprint: str) -> Iterator[tuple[PeerP
             yield record, expiration
 
 
-MAX_EXPIRED = 1024  # authors whose latest record a peer keeps, for the run's history, once it has expired
-
-Seen = dict[str, tuple[PeerProgress, float]]  # peer ID -> its latest record seen, and when that record expires
-
-
-def merge_seen(seen: Seen, read: Iterable[tuple[PeerProgress, float]], now: float) -> Seen:
-    """The records a peer knows after a DHT read: each author's latest (by the time it wrote in it) of
-    those `read` now and those `seen` before, until the record's DHT expiration has passed.
-
-    A DHT read can miss records: the nodes that hold some of them answer too late. With 24 peers on
-    2 cores, 7 peers stopped waiting for the 14 others still training, whose records their reads did not
-    return, and averaged as a group of 7 while the 14 formed their own. So a record seen once stands
-    until it expires, as it does on the DHT, or until its author replaces it (a LEFT record included:
-    the caller leaves those out)."""
-    merged = {peer: (record, expiration) for peer, (record, expiration) in seen.items() if expiration > now}
-    for record, expiration in read:
-        held = merged.get(record.peer_id)
-        if held is None or record.time >= held[0].time:
-            merged[record.peer_id] = (record, expiration)
-    return merged
-
-
-def _without_oldest_expired(seen: Seen, now: float) -> Seen:
-    """`seen` with at most :data:`MAX_EXPIRED` of its expired records, the newest; every live one."""
-    expired = sorted((record.time, peer) for peer, (record, expiration) in seen.items() if expiration <= now)
-    dropped = {peer for _, peer in expired[:max(len(expired) - MAX_EXPIRED, 0)]}
-    return {peer: held for peer, held in seen.items() if peer not in dropped} if dropped else seen
-
-
-def committing_toward(record: PeerProgress, outer_step: int) -> bool:
-    """Whether `record`'s peer is committing the round that brings it to `outer_step`: it is on its way there."""
-    return record.outer_step == outer_step - 1 and record.phase == READY
-
-
 class SwarmProgress:
     """Reads the run's progress records on the DHT, and keeps this peer's own fresh (:class:`RecordPublisher`)."""
 
@@ -150,9 +91,7 @@ class SwarmProgress:
         self.fingerprint = fingerprint
         self.reachability = reachability
         self.peer_id = dht.peer_id.to_base58()
-        self._unverified: dict[str, tuple[int, str]] = {}  # peer ID -> the state it claims that nobody served
-        self._refused_states: set[str] = set()  # sha256 of states this peer refused after downloading them
-        self._distrusted: set[str] = set()  # identities that served a malformed or refused state
+        self.ledger = TrustLedger(self.peer_id)  # set-aside claims, refused states, distrusted peers
         # each author's latest record read (merge_seen), and when it expires on the DHT: the live ones are the
         # run's peers (fetch), and every one, expired ones too (at most MAX_EXPIRED of those), its history
         self._seen: Seen = {}
@@ -166,6 +105,7 @@ class SwarmProgress:
     def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0) -> None:
         """This peer's record, stored in the background (a LEFT record, its last word, before this returns);
         :meth:`fetch` holds it from now on, whether or not the DHT does yet."""
+        check_transition(None if self._own is None else self._own.phase, phase)  # a bug if not: raises
         value = dict(outer_step=outer_step, sha256=sha256, phase=phase, samples=samples, time=time.time(),
                      fingerprint=self.fingerprint, reachability=self.reachability)
         self._own = PeerProgress(self.peer_id, outer_step, sha256, phase, samples, value["time"], self.reachability)
@@ -181,21 +121,10 @@ class SwarmProgress:
         background store may not have put on the DHT yet: the training loop never waits for a store."""
         read = list(_read_expiring(self.dht, self.key, self.fingerprint))
         with self._merging:  # the training loop, its sync and its reads in the background all fetch
-            records, set_aside = {}, {}
             now = get_dht_time()
             own = [] if self._own is None else [(self._own, now + self._publisher.ttl)]
-            self._seen = _without_oldest_expired(merge_seen(self._seen, read + own, now=-math.inf), now)  # history()
-            for record, expiration in self._seen.values():
-                if expiration <= now or record.phase == LEFT:
-                    continue
-                if record.peer_id != self.peer_id and (record.peer_id in self._distrusted
-                                                       or record.sha256 in self._refused_states):
-                    continue
-                if self._unverified.get(record.peer_id) == (record.outer_step, record.sha256):
-                    set_aside[record.peer_id] = record
-                    continue
-                self._unverified.pop(record.peer_id, None)  # it moved on: its new claim counts again
-                records[record.peer_id] = record
+            self._seen = without_oldest_expired(merge_seen(self._seen, read + own, now=-math.inf), now)  # history()
+            records, set_aside = self.ledger.split(self._seen, now)
             self.set_aside_records = set_aside
             return records
 
@@ -210,39 +139,26 @@ class SwarmProgress:
         when their records expire, and take the run's next steps alone from its stale state, a second
         history (seen in CI: a peer whose round failed waited at outer step 1 while the two others took
         steps 2-4 and left; 12 s after, it took 2-4 alone)."""
-        held = [record for record, _ in self._seen.values()
-                if record.peer_id != self.peer_id and record.phase != LOADING
-                and record.peer_id not in self._distrusted and record.sha256 not in self._refused_states]
-        if not held:
-            return None
-        step = max(record.outer_step for record in held)
-        at_step = [record for record in held if record.outer_step == step]
-        return RunHistory(step, len(at_step), max(0.0, time.time() - max(record.time for record in at_step)))
+        return self.ledger.history(self._seen, time.time())
 
     def set_aside(self, claims: dict[str, tuple[int, str]], why: str = "no peer served that state") -> None:
         """Ignore these peers' records while they claim the same (outer step, sha256): nobody served it, or
         `why` this peer would not load it."""
-        for peer_id, claim in claims.items():
-            if peer_id == self.peer_id:
-                continue
-            self._unverified[peer_id] = claim
+        for peer_id in self.ledger.set_aside(claims):
             logger.warning("setting aside the record of peer %s: it claims outer step %d (%s) but %s",
-                           peer_id, claim[0], claim[1][:12], why)
+                           peer_id, claims[peer_id][0], claims[peer_id][1][:12], why)
 
     def served(self, outer_step: int, sha256: str) -> None:
         """This peer holds the state (`outer_step`, `sha256`) now, checked: the records set aside for claiming it
         count again. Only a keeper serves an unreachable peer's state (once that peer pushed it), so a joiner
         may set such records aside for a moment, then load their state from the keeper; left aside, they
         would hide its groupmates, and it would step alone: a second history of the run."""
-        self._unverified = {peer: claim for peer, claim in self._unverified.items()
-                            if claim != (outer_step, sha256)}
+        self.ledger.served(outer_step, sha256)
 
     def refuse(self, sha256: Optional[str] = None, peers: Sequence[str] = ()) -> None:
         """Ignore for the rest of the run every record that claims the state `sha256` (it failed the state
         check) and every record of `peers` (they served a malformed or refused state)."""
-        if sha256 is not None:
-            self._refused_states.add(sha256)
-        self._distrusted.update(peer for peer in peers if peer != self.peer_id)
+        self.ledger.refuse(sha256, peers)
 
     def wait_for_peers(self, count: int, timeout: float, stop: threading.Event, poll: float = 0.5) -> int:
         """Wait until `count` live peers (this one included) have records, `timeout` s, or `stop`.
@@ -281,9 +197,7 @@ class SwarmProgress:
         silent = SilentPeers(self.answering)
         while True:
             records = {peer: r for peer, r in self.fetch().items() if peer not in silent.gone}
-            busy = {r.peer_id: r.phase for r in records.values()
-                    if (r.outer_step == outer_step and r.phase in (TRAINING, LOADING))
-                    or (committing_toward(r, outer_step) and r.peer_id != self.peer_id)}
+            busy = busy_toward(records, outer_step, self.peer_id)
             for peer in silent.check([records[p] for p in busy]):
                 logger.warning("outer step %d: not waiting for %s any more: its record says %s, but it does not "
                                "answer on the network (it left or crashed)", outer_step + 1, peer[-8:], busy[peer])
@@ -339,78 +253,3 @@ def describe_peers(phases: dict[str, str]) -> str:
     return ", ".join(f"{peer_id[-8:]} ({phase})" for peer_id, phase in sorted(phases.items()))
 
 
-@dataclass(frozen=True)
-class RoundPlan:
-    """What this peer does next, derived from the progress records alone."""
-
-    action: str  # "train", or "load" (download a newer or the agreed state first)
-    reason: str
-    target_step: int
-    target_sha256: Optional[str] = None
-    # for "load": the peers whose records claim the target state, and that claim
-    claims: Optional[dict[str, tuple[int, str]]] = None
-
-
-def agreed_sha256(records: dict[str, PeerProgress], outer_step: int) -> Optional[str]:
-    """The θ_global most peers at `outer_step` hold (ties: the larger sha256), or None."""
-    counts = Counter(r.sha256 for r in records.values() if r.outer_step == outer_step)
-    if not counts:
-        return None
-    return max(counts, key=lambda sha: (counts[sha], sha))
-
-
-def plan_round(records: dict[str, PeerProgress], my_step: int, my_sha256: str) -> RoundPlan:
-    records = {pid: r for pid, r in records.items() if r.phase != LOADING}  # they hold no agreed state yet
-    others = {pid: r for pid, r in records.items() if r.sha256 != my_sha256 or r.outer_step != my_step}
-    frontier = max((r.outer_step for r in others.values()), default=my_step)
-    if frontier > my_step:
-        return _load(records, frontier, f"the swarm is at outer step {frontier}, this peer at {my_step}")
-    if any(committing_toward(r, my_step) for r in records.values()):
-        # the vote at this step waits for them: the groupmates of the round this peer just applied land here
-        # with its state, and a claim of another state at this step (a hostile one) must not win the vote
-        # while their new records are not read yet (in CI, two peers outvoted so loaded a stranger's state)
-        return RoundPlan("train", "peers are still committing their way to this step", my_step)
-    agreed = agreed_sha256(records, my_step)
-    if agreed is not None and agreed != my_sha256:
-        return _load(records, my_step, f"peers at outer step {my_step} agree on another global state")
-    return RoundPlan("train", "in step with the swarm", my_step)
-
-
-def _load(records: dict[str, PeerProgress], step: int, reason: str) -> RoundPlan:
-    sha = agreed_sha256(records, step)
-    claims = {pid: (r.outer_step, r.sha256) for pid, r in records.items() if r.outer_step == step and r.sha256 == sha}
-    return RoundPlan("load", reason, step, sha, claims)
-
-
-@dataclass(frozen=True)
-class AveragingPlan:
-    """Whether and how this peer averages at its outer step, once its groupmates are ready."""
-
-    action: str  # "average" with the peers at this step, "alone" (the swarm is empty), or "skip" this round
-    needs_assistant: bool = False  # nobody at this step can reduce: only an assistant can (sync/assistant.py)
-    reason: str = ""
-
-
-def averaging_peers(records: Mapping[str, PeerProgress], peer_id: str) -> list[PeerProgress]:
-    """The records of the other peers this one may average with, at whatever step: a keeper never averages."""
-    return [r for pid, r in records.items() if pid != peer_id and r.phase != KEEPING]
-
-
-def plan_averaging(records: dict[str, PeerProgress], outer_step: int, peer_id: str, reachability: str) -> AveragingPlan:
-    """Decide from the progress records how this peer averages toward `outer_step + 1`.
-
-    It never steps alone while other peers are live: a peer behind will load this peer's state and
-    average with it next round (this peer keeps its inner steps in the meantime). When every peer at
-    this step is unreachable, nobody of them can reduce: the round needs an assistant, a reachable
-    node that reduces for them.
-    """
-    others = averaging_peers(records, peer_id)
-    groupmates = [r for r in others if r.outer_step == outer_step]
-    if not groupmates:
-        if others:
-            steps = ", ".join(str(step) for step in sorted({r.outer_step for r in others}))
-            return AveragingPlan("skip", reason=f"no other peer is at outer step {outer_step} while {len(others)} "
-                                                f"live peer(s) are at outer step(s) {steps}: not stepping alone")
-        return AveragingPlan("alone", reason="no other peer is in the swarm")
-    nobody_reduces = reachability == UNREACHABLE and all(r.reachability == UNREACHABLE for r in groupmates)
-    return AveragingPlan("average", needs_assistant=nobody_reduces)

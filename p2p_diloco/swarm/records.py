@@ -48,11 +48,10 @@ from p2p_diloco.swarm.identity import Identity, owner_peer_id
 
 logger = logging.getLogger(__name__)
 
-TRAINING, READY, LOADING, KEEPING, LEFT = "training", "ready", "loading", "keeping", "left"
 
 
 class ProgressValue(StrictModel):
-    """A peer's progress record (see :class:`p2p_diloco.swarm.progress.PeerProgress`)."""
+    """A peer's progress record (see :class:`p2p_diloco.protocol.view.PeerProgress`)."""
 
     outer_step: OuterStep
     sha256: Sha256Hex

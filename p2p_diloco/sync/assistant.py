@@ -37,7 +37,9 @@ from hivemind import DHT
 
 from p2p_diloco.remote_input import warn_once
 from p2p_diloco.schedule import fragment_at
-from p2p_diloco.swarm.progress import KEEPING, READY, PeerProgress, agreed_sha256, read_progress
+from p2p_diloco.protocol.plans import agreed_sha256
+from p2p_diloco.protocol.view import KEEPING, READY, PeerProgress
+from p2p_diloco.swarm.progress import read_progress
 from p2p_diloco.swarm.reachability import UNREACHABLE
 from p2p_diloco.swarm.records import AssistanceRequest, assistance_key, progress_key, signed_records
 from p2p_diloco.sync.codecs import CODECS

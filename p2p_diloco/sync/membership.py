@@ -9,7 +9,7 @@ mean; the peers outside the largest group then downloaded its state and lost the
 Here the membership comes from the progress records every peer reads anyway
 (:mod:`p2p_diloco.swarm.progress`), the way torchft forms a quorum from a shared view instead of an
 election. Once no peer at the step is still training (``round_wait_timeout``), each peer computes
-:func:`plan_membership`: the ready peers at its step and state, and from those that others can dial, an
+:func:`~p2p_diloco.protocol.membership.plan_membership`: the ready peers at its step and state, and from those that others can dial, an
 order of leaders that changes every step and attempt (sha256 of the step, θ_global, the attempt
 and the peer ID). Every member
 asks the first leader of that order to take it in (:class:`PlannedMatchmaking`); the leader starts the
@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
-from dataclasses import dataclass
 from typing import Optional
 
 from hivemind.averaging.control import StepControl
@@ -56,43 +54,13 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from p2p_diloco import faults
-from p2p_diloco.swarm.progress import READY, PeerProgress
-from p2p_diloco.swarm.reachability import DIRECT
+from p2p_diloco.protocol.membership import leader_rank
 from p2p_diloco.sync.group_screen import GroupMetadata, ScreenedMatchmaking, parse_gathered
 
-MAX_LEADERS = 3  # leaders a plan names, in order: a dead first leader costs one window, two cost two
 WINDOW_MATCHMAKING_TIMES = 3  # a window, in matchmaking_time: time for every member to join
 LEAD_WINDOWS = 2  # a leader takes members for at most this many windows (its members wait three for it)
 RETRY_S = 0.5  # between two join requests to a leader that is not taking members yet
 HOLD_S = RETRY_S  # how long a leader that is not leading yet holds a planned member's request, at most
-
-
-@dataclass(frozen=True)
-class Membership:
-    """Who averages toward outer step t + 1, as this peer plans it from the progress records."""
-
-    leaders: tuple[str, ...]  # peer IDs (base58), in the order members ask them
-    members: tuple[str, ...]  # the ready peers at the step and state, this one included, sorted: whom a leader waits for
-
-    @property
-    def expected(self) -> int:
-        return len(self.members)
-
-    def as_gathered(self) -> dict:
-        """What travels in the gathered metadata: the leaders and the count, not the members (a leader keeps
-        its own list, :meth:`~p2p_diloco.sync.exact_allreduce.ExactMeanAverager.plan_members`)."""
-        return dict(leaders=list(self.leaders), expected=self.expected)
-
-
-def leader_rank(outer_step: int, global_sha256: str, peer_id: str, attempt: int = 1) -> bytes:
-    """A peer's place in the order of leaders of the round from the θ_global `global_sha256` at `outer_step`,
-    in this peer's `attempt`-th attempt at that step: every peer computes the same order from the same
-    peers, and it changes every step and every attempt, so no one peer leads every round. θ_global is
-    known only once the step before is committed, so an identity cannot be ground in advance to come
-    first in every round. Without the attempt, a step whose rounds kept failing had the same leader in
-    every one of them: a leader that took in a peer that a member had banned formed a group that member
-    refused, every round, and the swarm never left the step (the hostile-reducer test, 2 runs in 5)."""
-    return hashlib.sha256(f"{outer_step}:{global_sha256}:{attempt}:{peer_id}".encode()).digest()
 
 
 def group_order(outer_step: int, global_sha256: str, peer_ids) -> list:
@@ -100,25 +68,6 @@ def group_order(outer_step: int, global_sha256: str, peer_ids) -> list:
     and the peer ID (:func:`leader_rank` of an attempt 0, which no leader order uses), as unpredictable
     before step t − 1 is committed as hivemind's random order, and the same whoever leads."""
     return sorted(peer_ids, key=lambda peer: leader_rank(outer_step, global_sha256, peer.to_base58(), attempt=0))
-
-
-def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sha256: str, peer_id: str,
-                    reachability: str, attempt: int = 1) -> Optional[Membership]:
-    """The membership of the round toward `outer_step + 1` for this peer (`peer_id`, which holds the
-    θ_global `global_sha256` and is ready) in its `attempt`-th attempt at the step: the peers whose records
-    say ready at the step with the same state, and the first :data:`MAX_LEADERS` of them that others can
-    dial, in :func:`leader_rank` order.
-
-    None when none of them can be dialled: then only an assistant can reduce, and it finds the group
-    through hivemind's matchmaking."""
-    members = {pid: r.reachability for pid, r in records.items()
-               if r.outer_step == outer_step and r.phase == READY and r.sha256 == global_sha256}
-    members[peer_id] = reachability
-    leaders = sorted((pid for pid, mode in members.items() if mode == DIRECT),
-                     key=lambda pid: leader_rank(outer_step, global_sha256, pid, attempt))[:MAX_LEADERS]
-    if not leaders:
-        return None
-    return Membership(tuple(leaders), tuple(sorted(members)))
 
 
 @functools.lru_cache(maxsize=1024)

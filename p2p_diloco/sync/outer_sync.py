@@ -39,7 +39,7 @@ from p2p_diloco.sync.audit import RoundDigests
 from p2p_diloco.sync.commit import RoundReports, Void
 from p2p_diloco.sync.exact_allreduce import ExactMeanAverager
 from p2p_diloco.sync.group_screen import GroupMetadata
-from p2p_diloco.sync.membership import Membership
+from p2p_diloco.protocol.membership import Membership
 from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule, counted_claims
 from p2p_diloco.sync.state_transfer import StateSharing
 
@@ -62,6 +62,7 @@ class GroupMean:
     attempt: int = 1  # which attempt of the step's round this is (train/round_sync.py retries without failed members)
     # where the round's seconds went, by phase (:class:`RoundTimes`; round_sync adds the wait for groupmates)
     phases: dict[str, float] = field(default_factory=dict)
+    update_scale: float = 1.0  # what the update check multiplied `mean` by (< 1: clipped; protocol/update_rule.py)
 
     @property
     def peer_ids(self) -> list[str]:

@@ -4,7 +4,7 @@ The state is θ_global and the outer momentum (fp32), with metadata: the outer s
 both (the state hash every peer publishes) and the inner step count (a joiner aligns its lr schedule
 to it). It is served through hivemind's ``rpc_download_state`` and downloaded from the donor with
 the highest declared priority that answers. A peer downloads exactly the state that the swarm's
-progress records vouch for (an outer step and its sha256, see :func:`p2p_diloco.swarm.progress.plan_round`):
+progress records vouch for (an outer step and its sha256, see :func:`p2p_diloco.protocol.plans.plan_round`):
 a donor cannot hand it any other state, however well-formed.
 
 A donor may be a stranger, so hivemind's download loop is replaced (:class:`StateSharing`) where it

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Mapping, Optional
+from typing import Callable, Optional
 
-from p2p_diloco.swarm.progress import PeerProgress, RunHistory, averaging_peers, committing_toward
+from p2p_diloco.protocol.view import RunHistory
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +35,6 @@ POLL_S = 5.0  # between two attempts at the run's state while waiting
 
 class NoStateSource(RuntimeError):
     """The run is ahead of this peer and nothing served its state within ``swarm.state_wait_timeout``."""
-
-
-def behind_alone(own_step: int, history: Optional[RunHistory], records: Mapping[str, PeerProgress],
-                 peer_id: str) -> bool:
-    """Whether the run is ahead of `own_step` (by the records this peer has seen) while no other live peer
-    (`records`, this one's own left out) that trains is at that step: this peer then has nobody to average
-    with but itself, and must not train. A keeper at that step does not count: it never averages. A peer
-    ready at the step before does: it is committing the round that brings it here (this peer's groupmates,
-    read a moment after the step they took together, before their new records are stored)."""
-    if history is None or history.outer_step <= own_step:
-        return False
-    return not any(record.outer_step == own_step or committing_toward(record, own_step)
-                   for record in averaging_peers(records, peer_id))
 
 
 class CatchUpWait:

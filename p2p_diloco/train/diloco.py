@@ -3,7 +3,7 @@ with Streaming DiLoCo's fragments and overlap (arXiv 2501.18512) as options.
 
 Each round, toward outer step t + 1:
 
-1. read the swarm's progress (:func:`~p2p_diloco.swarm.progress.plan_round`): a peer that is behind
+1. read the swarm's progress (:func:`~p2p_diloco.protocol.plans.plan_round`): a peer that is behind
    or holds a θ_global the swarm does not agree on downloads the agreed state first, checked against
    its own before it replaces it (:mod:`~p2p_diloco.train.state_check`);
 2. H/P inner AdamW steps (:class:`~p2p_diloco.train.inner.InnerTrainer`; P = ``outer.fragments``,
@@ -53,16 +53,18 @@ from p2p_diloco.schedule import FragmentSchedule
 from p2p_diloco.swarm.liveness import answering
 from p2p_diloco.swarm.node import RunNode
 from p2p_diloco.swarm.reachability import DIRECT
-from p2p_diloco.swarm.progress import (
-    KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RoundPlan, SwarmProgress, plan_round,
-)
+from p2p_diloco.protocol.plans import RoundPlan, behind_alone, plan_round
+from p2p_diloco.protocol.trust import choose_target, is_verifiable, unverified_step_trusted
+from p2p_diloco.protocol.update_rule import CLIPPED, VOID
+from p2p_diloco.protocol.view import KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, vouchers
+from p2p_diloco.swarm.progress import SwarmProgress
 from p2p_diloco.swarm.records import RecordPublisher, assistance_key
 from p2p_diloco.swarm.status import EXCLUDED_AFTER_ROUNDS, StatusPublisher, choose_shard, read_status, settings_mismatch
 from p2p_diloco.sync.outer_sync import GroupMean, OuterSync, PendingDelta
 from p2p_diloco.sync.robust import aggregation_rule
 from p2p_diloco.sync.state_store import StateStore, StoreError, StoreWriter
 from p2p_diloco.sync.state_transfer import GlobalState, StateExpectation, download_global_state, nobody_serves
-from p2p_diloco.train.catch_up import POLL_S, CatchUpWait, behind_alone
+from p2p_diloco.train.catch_up import POLL_S, CatchUpWait
 from p2p_diloco.train.checkpoint import check_checkpoint_settings, load_checkpoint, save_checkpoint
 from p2p_diloco.train.data import DataError, checkpointed_stream_state, order_seed
 from p2p_diloco.train.error_feedback import ErrorFeedback
@@ -75,10 +77,8 @@ from p2p_diloco.train.heldout import HeldoutEval
 from p2p_diloco.train.outer import GlobalModel
 from p2p_diloco.train.peer_view import PeerView
 from p2p_diloco.train.round_sync import ROUND_STOPPED, RoundSync, SyncOutcome
-from p2p_diloco.train.state_check import (
-    STATE_REFUSED, choose_target, is_verifiable, step_problem, unverified_step_trusted, vouchers,
-)
-from p2p_diloco.train.update_check import ROUND_REJECTED, update_rejection
+from p2p_diloco.train.state_check import STATE_REFUSED, step_problem
+from p2p_diloco.train.update_check import ROUND_CLIPPED, ROUND_REJECTED, checked_mean
 from p2p_diloco.train.utilization import ComputeClock, RecentRate
 
 logger = logging.getLogger(__name__)
@@ -423,7 +423,7 @@ class DiLoCoPeer:
             self.metrics.write("attempt_failed", outer_step=step, reason=reason)
         if outcome.result is not None:
             self.match_lead.record(outcome.result.phases.get("match", 0.0))
-            outcome = self._checked(outcome, indices)
+            outcome = self._checked(outcome, step, indices)
         if outcome.result is not None:
             self._apply(outcome.result, fragment, samples, steps_while_syncing, to_send, announced.lead_steps)
             self._records_read = records_read
@@ -523,12 +523,20 @@ class DiLoCoPeer:
                                  loss=self.local.contribution.recent_loss())
         return count
 
-    def _checked(self, outcome: SyncOutcome, indices: list[int]) -> SyncOutcome:
-        """The outcome, or a void round if the group's mean fails the update check (p2p_diloco.train.update_check):
-        every peer of the group decides the same."""
-        rejection = update_rejection(outcome.result.mean, [self.global_model.momentum_buffer[i] for i in indices],
+    def _checked(self, outcome: SyncOutcome, step: int, indices: list[int]) -> SyncOutcome:
+        """The outcome with the group's mean as the update check leaves it (p2p_diloco.protocol.update_rule):
+        as it is, clipped to the run's limit, or a void round if it is not finite. Every peer of the group
+        decides the same, and a clipped mean is the same bytes on each."""
+        verdict, mean = checked_mean(outcome.result.mean, [self.global_model.momentum_buffer[i] for i in indices],
                                      [self.global_model.params[i] for i in indices], self.cfg.outer.max_update_growth)
-        return outcome if rejection is None else SyncOutcome(event=ROUND_REJECTED, reason=rejection)
+        if verdict.action == VOID:
+            return SyncOutcome(event=ROUND_REJECTED, reason=verdict.reason)
+        if verdict.action == CLIPPED:
+            logger.warning("outer step %d: %s", step + 1, verdict.reason)
+            self.metrics.write(ROUND_CLIPPED, outer_step=step, scale=verdict.scale, reason=verdict.reason)
+        outcome.result.mean = mean
+        outcome.result.update_scale = verdict.scale
+        return outcome
 
     def _not_applied(self, step: int, outcome: SyncOutcome) -> None:
         """A round that ends without an outer step: say why; after a few in a row, say the peer is excluded.
@@ -580,6 +588,7 @@ class DiLoCoPeer:
             group_size=result.group_size,
             group_samples=result.group_samples,
             attempt=result.attempt,
+            update_scale=result.update_scale,  # < 1: the update check clipped the mean
             samples=samples,
             loss=mean_loss,
             fragment=fragment,
@@ -607,7 +616,7 @@ class DiLoCoPeer:
     # ----- catching up ----------------------------------------------------------------------------
     def _trusted_plan(self, plan: RoundPlan, records: dict[str, PeerProgress]) -> Optional[RoundPlan]:
         """The plan, or one for the best-vouched state above this peer's step, if the records trust it enough
-        to load (:func:`p2p_diloco.train.state_check.choose_target`); None if no state above is trusted."""
+        to load (:func:`p2p_diloco.protocol.trust.choose_target`); None if no state above is trusted."""
         step = self.global_model.outer_step
         if plan.target_step <= step:  # a state at this peer's own step: the plan's vote decides
             return plan

@@ -32,9 +32,11 @@ from typing import Optional, Union
 
 import torch
 
-from p2p_diloco.swarm.progress import READY, TRAINING, PeerProgress, SwarmProgress, plan_averaging
+from p2p_diloco.protocol.membership import plan_membership
+from p2p_diloco.protocol.plans import plan_averaging
+from p2p_diloco.protocol.view import READY, PeerProgress, round_closing, went_on_without
+from p2p_diloco.swarm.progress import SwarmProgress
 from p2p_diloco.swarm.reachability import DIRECT
-from p2p_diloco.sync.membership import plan_membership
 from p2p_diloco.sync.outer_sync import GroupMean, LeftBehind, OuterSync, PendingDelta, RoundFailed
 
 logger = logging.getLogger(__name__)
@@ -158,9 +160,7 @@ class RoundSync:
         peers are at it). A peer that arrives at a step as its group starts (a joiner that just loaded the
         state) plans a membership whose members are already averaging: without this it waited out every
         leader's window, 3 × 3 × ``matchmaking_time``, before it caught up."""
-        others = [r for pid, r in self.progress.fetch().items() if pid != self.peer_id]
-        return (any(r.outer_step > step for r in others)
-                and not any(r.outer_step == step and r.phase in (READY, TRAINING) for r in others))
+        return went_on_without(self.progress.fetch(), step, self.peer_id)
 
     def _answering(self, records: dict[str, PeerProgress], step: int) -> dict[str, PeerProgress]:
         """The records, less those of peers ready at `step` that no longer answer on the network (the
@@ -174,7 +174,4 @@ class RoundSync:
 
     def round_is_closing(self, step: int) -> bool:
         """Whether another peer is ready at this step, or past it: the fastest peer ends the round for all."""
-        return any(
-            r.peer_id != self.peer_id and (r.outer_step > step or (r.outer_step == step and r.phase == READY))
-            for r in self.progress.fetch().values()
-        )
+        return round_closing(self.progress.fetch(), step, self.peer_id)

@@ -1,6 +1,6 @@
 """A downloaded global state is checked against this peer's own before it replaces it.
 
-The round plan (:func:`p2p_diloco.swarm.progress.plan_round`) sends a peer that is behind to the state
+The round plan (:func:`p2p_diloco.protocol.plans.plan_round`) sends a peer that is behind to the state
 its progress records vouch for, and :mod:`p2p_diloco.sync.state_transfer` checks that the donor serves
 exactly that state, well-formed. That alone would let ONE identity replace θ_global on every honest
 peer: publish a record one step ahead of the swarm and serve a state of its own making under that
@@ -86,12 +86,11 @@ jump (liveness, not integrity).
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Optional, Sequence
 
 import torch
 
-from p2p_diloco.swarm.progress import LOADING, READY, PeerProgress
+from p2p_diloco.fixed_order import as_float32
 from p2p_diloco.train.update_check import update_rejection
 
 STATE_REFUSED = "state_refused"  # the metrics event of a state this peer would not adopt
@@ -99,11 +98,6 @@ STATE_REFUSED = "state_refused"  # the metrics event of a state this peer would 
 UNIT_ROUNDOFF = 2.0 ** -24  # float32, round to nearest
 ROUNDING_SLACK = 2.0  # the first-order bound above, twice
 SUBNORMAL_FLOOR = 2.0 ** -146  # a few of float32's smallest roundings (2⁻¹⁵⁰ each, below 2⁻¹²⁶)
-
-
-def as_float32(x: float) -> float:
-    """`x` rounded to float32, as torch rounds a Python scalar that multiplies a float32 tensor."""
-    return float(torch.tensor(x, dtype=torch.float32))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -164,75 +158,4 @@ def step_problem(params: Sequence[torch.Tensor], momentum_buffer: Sequence[torch
     return None
 
 
-def vouchers(records: dict[str, PeerProgress], outer_step: int, sha256: str) -> set[str]:
-    """The identities whose live records (not "loading": they hold no agreed state) claim this state."""
-    return {peer for peer, r in records.items()
-            if r.phase != LOADING and (r.outer_step, r.sha256) == (outer_step, sha256)}
-
-
-def own_vouchers(records: dict[str, PeerProgress], peer_id: str, outer_step: int, sha256: str) -> set[str]:
-    """This peer, the records at its step with its state, and the peers still committing the round that
-    brought it there (ready at the step before: their records say so until they apply it). At step 0,
-    this peer alone: every fresh peer holds the run's initial state (built from the seed), which says
-    nothing about where the run is, so joiners that start together follow a peer that went ahead."""
-    if outer_step == 0:
-        return {peer_id}
-    committing = {peer for peer, r in records.items() if r.phase == READY and r.outer_step == outer_step - 1}
-    return {peer_id} | vouchers(records, outer_step, sha256) | committing
-
-
-def choose_target(records: dict[str, PeerProgress], peer_id: str, outer_step: int, sha256: str,
-                  wanted: tuple[int, str], groupmates: frozenset = frozenset(),
-                  set_aside: Optional[dict[str, PeerProgress]] = None) -> tuple[Optional[tuple[int, str]], str]:
-    """The state above `outer_step` this peer may load: `wanted` (the plan's target) if trusted, else the
-    best-vouched trusted one (see the module docstring); None if none is. Among trusted states, one that
-    a former groupmate of this peer vouches for (`groupmates`: identities it averaged with) comes first.
-    `set_aside` are the live records whose claims this peer set aside: they vouch only for a state that a
-    live record claims too, and count against every other claim, as loading peers do. Returns it and a one-line account of the counts."""
-    ahead = [r for peer, r in records.items() if peer != peer_id and r.outer_step > outer_step]
-    votes = Counter((r.outer_step, r.sha256) for r in ahead if r.phase != LOADING)
-    aside = [r for peer, r in (set_aside or {}).items()
-             if peer != peer_id and peer not in records and r.outer_step > outer_step]
-    # a set-aside record still vouches for a state that a live record claims too: a groupmate's claim,
-    # set aside in a commit window, would otherwise leave its twin tied with a liar's (in a CI run a
-    # joiner set aside every honest claim so, one by one, and averaged alone)
-    votes.update((r.outer_step, r.sha256) for r in aside if r.phase != LOADING and (r.outer_step, r.sha256) in votes)
-    ahead += aside
-    own = len(own_vouchers(records, peer_id, outer_step, sha256))
-    known = {state: bool(vouchers(records, *state) & groupmates) for state in votes}
-
-    def dissent(state: tuple[int, str]) -> int:
-        # loading and set-aside peers count against every claim but the one they make themselves
-        return sum((r.outer_step, r.sha256) != state for r in ahead)
-
-    def trusted(state: tuple[int, str]) -> bool:
-        outvotes = votes[state] > dissent(state) or (votes[state] == dissent(state) and known[state])
-        return state[0] == outer_step + 1 or (votes[state] >= own and outvotes)
-
-    counts = (f"its state at outer step {outer_step} is vouched for by {own} identit{'y' if own == 1 else 'ies'} "
-              f"(this peer included), outer step {wanted[0]} ({wanted[1][:12]}) by {votes[wanted]}, and "
-              f"{dissent(wanted)} other record(s) above outer step {outer_step} claim otherwise")
-    candidates = [state for state in votes if trusted(state)]
-    if not candidates:
-        return None, counts
-    if wanted in candidates and (known[wanted] or not any(known[state] for state in candidates)):
-        return wanted, counts
-    return max(candidates, key=lambda state: (known[state], votes[state], state[0], state[1])), counts
-
-
-def is_verifiable(outer_step: int, target_step: int) -> bool:
-    """Whether a state at `target_step` can be checked step by step against this peer's at `outer_step`."""
-    return target_step == outer_step + 1
-
-
-def unverified_step_trusted(records: dict[str, PeerProgress], peer_id: str, outer_step: int, sha256: str,
-                            target: tuple[int, str]) -> bool:
-    """A state one step ahead that failed :func:`step_problem` is still taken when it is not one
-    identity's word and at least as many identities vouch for it as for this peer's state: the swarm
-    moved on from a state this peer does not hold (it forked), and a jump would be taken on that count."""
-    count = len(vouchers(records, *target))
-    return count >= 2 and count >= len(own_vouchers(records, peer_id, outer_step, sha256))
-
-
-__all__ = ["STATE_REFUSED", "step_problem", "step_tolerance", "choose_target", "is_verifiable",
-           "unverified_step_trusted", "vouchers", "own_vouchers", "as_float32"]
+__all__ = ["STATE_REFUSED", "step_problem", "step_tolerance"]

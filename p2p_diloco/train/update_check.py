@@ -1,27 +1,12 @@
-"""An outer update that cannot be right is not applied: the group's mean checked against the run's history.
+"""The update check on tensors: a round's mean measured against the run's history, and clipped or void.
 
-Robust aggregation (:mod:`p2p_diloco.sync.robust`) bounds what a minority of senders can do to the
-mean; it does not bound a reducer that returns garbage, or a group whose majority is hostile. The last
-line of defence is here, before the outer step (DiLoCo, arXiv 2311.08105, Alg. 1 line 12): the norm of
-the group's mean g on a fragment is compared with the fragment's outer momentum b, a decaying sum of
-every update the run accepted (``b ← μ·b + g``; :mod:`p2p_diloco.train.outer`):
-
-    ‖g‖ ≤ max_update_growth × ‖b‖        (once the fragment has taken an outer step)
-    ‖g‖ ≤ ‖θ_global‖ of the fragment     (its first outer step, b = 0)
-
-Honest pseudo-gradients change slowly from one outer step to the next, and ‖b‖ is about the last
-accepted ‖g‖ or more when successive updates agree, but less when they partly cancel (b ← μ·b + g
-can shrink), and a round's Δ holds more inner steps after a round that failed: a tiny 2-peer test
-run had an honest round at 4.2 × ‖b‖. The default growth of 16 leaves honest runs that margin and
-more, and still refuses an update a hundred times the run's recent ones (the scaled and garbage
-updates that ended the run in issue 19); smaller shifts are the robust aggregation's to bound.
-A refused round is not dropped: its Δ stays in θ_local and goes into the next round, which a
-bound far above the honest spread lets through. Every peer that
-holds θ_global holds the same b (both are the global state, and a joiner downloads both), the group's
-mean is the same bytes on every groupmate, and the norms are computed in a fixed order
-(:mod:`p2p_diloco.fixed_order`): every peer of the group decides the same, so a refused round is void
-on all of them and nobody diverges. A run that trips the check on honest updates (the log says the
-norms) can raise ``outer.max_update_growth``; 0 turns the check off.
+The decision is :mod:`p2p_diloco.protocol.update_rule`'s (the limit, and why a mean above it is clipped, not
+void); this module measures the norms, the same bits on every CPU (:mod:`p2p_diloco.fixed_order`), and scales
+the mean. Robust aggregation (:mod:`p2p_diloco.sync.robust`) bounds what a minority of senders can do to the
+mean, and the audits (:mod:`p2p_diloco.sync.audit`) what a reducer can; this bounds the rest (a reducer audited
+by an accomplice, a group whose majority is hostile), before the outer step (DiLoCo, arXiv 2311.08105, Alg. 1
+line 12). A run whose honest updates are clipped often (the log says the norms) can raise
+``outer.max_update_growth``; 0 turns the check off.
 """
 
 from __future__ import annotations
@@ -31,9 +16,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from p2p_diloco.fixed_order import sum_of_squares
+from p2p_diloco.fixed_order import as_float32, sum_of_squares
+from p2p_diloco.protocol.update_rule import VOID, UpdateVerdict, exceeds_limit, judge_update, update_limit
 
-ROUND_REJECTED = "round_rejected"  # the metrics event of a round whose mean failed the check
+ROUND_REJECTED = "round_rejected"  # the metrics event of a round whose mean was void (not finite)
+ROUND_CLIPPED = "round_clipped"  # the metrics event of a round whose mean was clipped to the limit
 
 
 def tensors_norm(tensors: Sequence[torch.Tensor]) -> float:
@@ -41,18 +28,31 @@ def tensors_norm(tensors: Sequence[torch.Tensor]) -> float:
     return math.sqrt(sum(sum_of_squares(t) for t in tensors))  # a chunk at a time: no float64 copy of a tensor
 
 
-def update_rejection(mean: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+def checked_mean(mean: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                 max_growth: float) -> tuple[UpdateVerdict, list[torch.Tensor]]:
+    """The verdict on the group's mean `mean` of a fragment (:func:`~p2p_diloco.protocol.update_rule.judge_update`),
+    and the mean to apply: as it is, or scaled by the verdict's factor (rounded to float32: the same bytes on
+    every peer). `momentum` and `params` are that fragment's outer momentum and θ_global."""
+    if max_growth == 0:
+        return judge_update(0.0, 0.0, 0.0, 0.0), list(mean)
+    verdict = judge_update(tensors_norm(mean), tensors_norm(momentum), tensors_norm(params), max_growth)
+    if verdict.action == VOID or verdict.scale == 1.0:
+        return verdict, list(mean)
+    scale = as_float32(verdict.scale)
+    return verdict, [m * scale for m in mean]
+
+
+def update_rejection(update: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
                      params: Sequence[torch.Tensor], max_growth: float) -> Optional[str]:
-    """Why the group's mean `mean` of a fragment must not be applied, or None if it may; `momentum` and
-    `params` are that fragment's outer momentum and θ_global, `max_growth` is ``outer.max_update_growth``."""
+    """Why `update` of a fragment cannot be one a round applied (its norm is above the limit, or not finite), or
+    None if it can; `momentum` and `params` are that fragment's outer momentum and θ_global before it, and
+    `max_growth` is ``outer.max_update_growth``. For the state check of a downloaded step
+    (:mod:`p2p_diloco.train.state_check`)."""
     if max_growth == 0:
         return None
-    update = tensors_norm(mean)
-    history = tensors_norm(momentum)
-    if history > 0:
-        limit, basis = max_growth * history, f"{max_growth:g} × the outer momentum's norm {history:.4g}"
-    else:
-        limit, basis = tensors_norm(params), "the norm of θ_global (the fragment's first outer step)"
-    if update <= limit:  # False for a NaN too
+    norm, history = tensors_norm(update), tensors_norm(momentum)
+    params_norm = tensors_norm(params)
+    if not exceeds_limit(norm, history, params_norm, max_growth):
         return None
-    return f"the group's mean has norm {update:.4g}, above {limit:.4g} = {basis}: it cannot be an honest update"
+    limit, basis = update_limit(history, params_norm, max_growth)
+    return f"the update has norm {norm:.4g}, above {limit:.4g} = {basis}: no round applies that"

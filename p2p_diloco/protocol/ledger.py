@@ -1,0 +1,107 @@
+"""What a peer knows of the run's records, and whose word it no longer takes: one owner for both.
+
+:class:`KnownRecords` holds each author's latest record read and when it expires on the DHT (a DHT read can
+miss records: a record seen once stands until it expires or its author replaces it, :func:`merge_seen`).
+:class:`TrustLedger` holds what this peer learnt not to take on trust:
+
+* set-aside claims: a record that claims a state nobody served, or one this peer would not load on so few
+  vouchers, until its author publishes another state or this peer loads that state;
+* refused states: a state that failed the state check, for the rest of the run;
+* distrusted peers: identities that served a malformed or refused state, for the rest of the run.
+
+From both, :meth:`TrustLedger.split` gives the live records a plan counts and those it set aside, and
+:meth:`TrustLedger.history` the latest step the run was seen at. Nothing here reads a clock: `now` is
+passed in (DHT time for expirations, wall time for ages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+from p2p_diloco.protocol.view import LEFT, LOADING, PeerProgress, RunHistory
+
+MAX_EXPIRED = 1024  # authors whose latest record a peer keeps, for the run's history, once it has expired
+
+Seen = dict[str, tuple[PeerProgress, float]]  # peer ID -> its latest record seen, and when that record expires
+
+
+def merge_seen(seen: Seen, read: Iterable[tuple[PeerProgress, float]], now: float) -> Seen:
+    """The records a peer knows after a DHT read: each author's latest (by the time it wrote in it) of
+    those `read` now and those `seen` before, until the record's DHT expiration has passed.
+
+    A DHT read can miss records: the nodes that hold some of them answer too late. With 24 peers on
+    2 cores, 7 peers stopped waiting for the 14 others still training, whose records their reads did not
+    return, and averaged as a group of 7 while the 14 formed their own. So a record seen once stands
+    until it expires, as it does on the DHT, or until its author replaces it (a LEFT record included:
+    the caller leaves those out)."""
+    merged = {peer: (record, expiration) for peer, (record, expiration) in seen.items() if expiration > now}
+    for record, expiration in read:
+        held = merged.get(record.peer_id)
+        if held is None or record.time >= held[0].time:
+            merged[record.peer_id] = (record, expiration)
+    return merged
+
+
+def without_oldest_expired(seen: Seen, now: float) -> Seen:
+    """`seen` with at most :data:`MAX_EXPIRED` of its expired records, the newest; every live one."""
+    expired = sorted((record.time, peer) for peer, (record, expiration) in seen.items() if expiration <= now)
+    dropped = {peer for _, peer in expired[:max(len(expired) - MAX_EXPIRED, 0)]}
+    return {peer: held for peer, held in seen.items() if peer not in dropped} if dropped else seen
+
+
+@dataclass
+class TrustLedger:
+    """Whose records and which states this peer (`peer_id`) no longer takes on trust (see the module)."""
+
+    peer_id: str
+    unverified: dict[str, tuple[int, str]] = field(default_factory=dict)  # peer ID -> the claim set aside
+    refused_states: set[str] = field(default_factory=set)  # sha256 of states that failed the state check
+    distrusted: set[str] = field(default_factory=set)  # identities that served a malformed or refused state
+
+    def counts(self, record: PeerProgress) -> bool:
+        """Whether `record` is one this peer takes into account at all (its own always is)."""
+        return record.peer_id == self.peer_id or (record.peer_id not in self.distrusted
+                                                  and record.sha256 not in self.refused_states)
+
+    def split(self, seen: Seen, now: float) -> tuple[dict[str, PeerProgress], dict[str, PeerProgress]]:
+        """The live records (expiring after `now`, not LEFT) that a plan counts, and the live ones set aside.
+        An author whose record claims something other than what was set aside counts again from now on."""
+        records, set_aside = {}, {}
+        for record, expiration in seen.values():
+            if expiration <= now or record.phase == LEFT or not self.counts(record):
+                continue
+            if self.unverified.get(record.peer_id) == (record.outer_step, record.sha256):
+                set_aside[record.peer_id] = record
+                continue
+            self.unverified.pop(record.peer_id, None)  # it moved on: its new claim counts again
+            records[record.peer_id] = record
+        return records, set_aside
+
+    def history(self, seen: Seen, wall_now: float) -> Optional[RunHistory]:
+        """The latest outer step at which this peer has seen the run, from every record it read, of peers live,
+        gone (LEFT) or whose record has expired since; this one's own and the loading ones left out (a loading
+        peer holds no state of that step yet), and those it no longer trusts; None if there is none."""
+        held = [record for record, _ in seen.values()
+                if record.peer_id != self.peer_id and record.phase != LOADING and self.counts(record)]
+        if not held:
+            return None
+        step = max(record.outer_step for record in held)
+        at_step = [record for record in held if record.outer_step == step]
+        return RunHistory(step, len(at_step), max(0.0, wall_now - max(record.time for record in at_step)))
+
+    def set_aside(self, claims: dict[str, tuple[int, str]]) -> list[str]:
+        """Set these peers' claims aside while they claim the same (outer step, sha256); the peers set aside."""
+        aside = [peer for peer in claims if peer != self.peer_id]
+        self.unverified.update((peer, claims[peer]) for peer in aside)
+        return aside
+
+    def served(self, outer_step: int, sha256: str) -> None:
+        """This peer holds the state (`outer_step`, `sha256`) now, checked: the claims of it count again."""
+        self.unverified = {peer: claim for peer, claim in self.unverified.items() if claim != (outer_step, sha256)}
+
+    def refuse(self, sha256: Optional[str] = None, peers: Sequence[str] = ()) -> None:
+        """Refuse the state `sha256` and distrust `peers` for the rest of the run."""
+        if sha256 is not None:
+            self.refused_states.add(sha256)
+        self.distrusted.update(peer for peer in peers if peer != self.peer_id)

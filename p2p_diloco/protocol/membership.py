@@ -1,0 +1,62 @@
+"""Who averages toward outer step t + 1, and whom they ask to lead, from the records a peer read.
+
+The rule and why it is so are in :mod:`p2p_diloco.sync.membership`, which forms the group with hivemind's
+matchmaking; the plan itself is pure: peers that hold the same records compute the same plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional
+
+from p2p_diloco.protocol.view import DIRECT, READY, PeerProgress
+
+MAX_LEADERS = 3  # leaders a plan names, in order: a dead first leader costs one window, two cost two
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who averages toward outer step t + 1, as this peer plans it from the progress records."""
+
+    leaders: tuple[str, ...]  # peer IDs (base58), in the order members ask them
+    members: tuple[str, ...]  # the ready peers at the step and state, this one included, sorted: whom a leader waits for
+
+    @property
+    def expected(self) -> int:
+        return len(self.members)
+
+    def as_gathered(self) -> dict:
+        """What travels in the gathered metadata: the leaders and the count, not the members (a leader keeps
+        its own list, :meth:`~p2p_diloco.sync.exact_allreduce.ExactMeanAverager.plan_members`)."""
+        return dict(leaders=list(self.leaders), expected=self.expected)
+
+
+def leader_rank(outer_step: int, global_sha256: str, peer_id: str, attempt: int = 1) -> bytes:
+    """A peer's place in the order of leaders of the round from the θ_global `global_sha256` at `outer_step`,
+    in this peer's `attempt`-th attempt at that step: every peer computes the same order from the same
+    peers, and it changes every step and every attempt, so no one peer leads every round. θ_global is
+    known only once the step before is committed, so an identity cannot be ground in advance to come
+    first in every round. Without the attempt, a step whose rounds kept failing had the same leader in
+    every one of them: a leader that took in a peer that a member had banned formed a group that member
+    refused, every round, and the swarm never left the step (the hostile-reducer test, 2 runs in 5)."""
+    return hashlib.sha256(f"{outer_step}:{global_sha256}:{attempt}:{peer_id}".encode()).digest()
+
+
+def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sha256: str, peer_id: str,
+                    reachability: str, attempt: int = 1) -> Optional[Membership]:
+    """The membership of the round toward `outer_step + 1` for this peer (`peer_id`, which holds the
+    θ_global `global_sha256` and is ready) in its `attempt`-th attempt at the step: the peers whose records
+    say ready at the step with the same state, and the first :data:`MAX_LEADERS` of them that others can
+    dial, in :func:`leader_rank` order.
+
+    None when none of them can be dialled: then only an assistant can reduce, and it finds the group
+    through hivemind's matchmaking."""
+    members = {pid: r.reachability for pid, r in records.items()
+               if r.outer_step == outer_step and r.phase == READY and r.sha256 == global_sha256}
+    members[peer_id] = reachability
+    leaders = sorted((pid for pid, mode in members.items() if mode == DIRECT),
+                     key=lambda pid: leader_rank(outer_step, global_sha256, pid, attempt))[:MAX_LEADERS]
+    if not leaders:
+        return None
+    return Membership(tuple(leaders), tuple(sorted(members)))

@@ -1,0 +1,99 @@
+"""The records a peer read, and every predicate the round protocol asks of them, each defined once.
+
+A record (:class:`PeerProgress`) says where its author's global state is (outer step t, its sha256) and
+its :class:`~p2p_diloco.protocol.phases.Phase`. Records are read from an eventually consistent DHT: a
+record may be seconds old, missed by one read, or already replaced by its author. The predicates here
+are what every rule of the protocol asks of them, so that a rule never re-derives "on its way to t" or
+"a peer I may average with" in a way of its own (two such definitions once disagreed about the keeper).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from p2p_diloco.protocol.phases import Phase
+
+TRAINING, READY, LOADING, KEEPING, LEFT = (p.value for p in Phase)
+DIRECT, UNREACHABLE = "direct", "unreachable"  # whether others can dial a peer (p2p_diloco.swarm.reachability)
+
+Records = Mapping[str, "PeerProgress"]  # peer ID -> its latest record read
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    peer_id: str  # the peer whose key signed the record
+    outer_step: int  # outer steps applied to this peer's global state
+    sha256: str  # of that state (θ_global and the outer momentum)
+    # TRAINING toward outer_step + 1, READY to average for it, LOADING the swarm's state at outer_step
+    # (to train toward outer_step + 1 next; its sha256 is not yet that state's), KEEPING the run's state at
+    # outer_step without training (the run's keeper: it serves that state, and nobody waits or averages with it),
+    # or LEFT the swarm
+    phase: str
+    samples: int = 0  # samples in this peer's pseudo-gradient so far
+    time: float = 0.0
+    reachability: str = DIRECT  # DIRECT (others can dial it: it can reduce) or UNREACHABLE
+
+
+@dataclass(frozen=True)
+class RunHistory:
+    """The latest outer step this peer has seen the run at, from the progress records it read on the DHT
+    (those expired since included)."""
+
+    outer_step: int
+    peers: int  # how many peers' records are at that step (live, gone or expired)
+    age_s: float  # seconds since the newest of them was written
+
+
+def committing_toward(record: PeerProgress, outer_step: int) -> bool:
+    """Whether `record`'s peer is committing the round that brings it to `outer_step`: it is on its way there.
+
+    A peer says READY at t − 1 from its announcement until it has applied the round (the all-reduce, the
+    reports, the audit, the update check, its overlap steps) and published t."""
+    return record.outer_step == outer_step - 1 and record.phase == READY
+
+
+def averaging_peers(records: Records, peer_id: str) -> list[PeerProgress]:
+    """The records of the other peers this one may average with, at whatever step: a keeper never averages."""
+    return [r for pid, r in records.items() if pid != peer_id and r.phase != KEEPING]
+
+
+def busy_toward(records: Records, outer_step: int, peer_id: str) -> dict[str, str]:
+    """The peers (ID -> phase) still on their way to averaging toward `outer_step` + 1: training or loading
+    the state at `outer_step`, or committing the round that brings them there. A peer ready at the step
+    waits for them (:meth:`p2p_diloco.swarm.progress.SwarmProgress.wait_for_groupmates`)."""
+    return {r.peer_id: r.phase for r in records.values()
+            if (r.outer_step == outer_step and r.phase in (TRAINING, LOADING))
+            or (committing_toward(r, outer_step) and r.peer_id != peer_id)}
+
+
+def round_closing(records: Records, outer_step: int, peer_id: str) -> bool:
+    """Whether another peer is ready at `outer_step`, or past it: the fastest peer ends the round for all."""
+    return any(r.peer_id != peer_id and (r.outer_step > outer_step or (r.outer_step == outer_step and r.phase == READY))
+               for r in records.values())
+
+
+def went_on_without(records: Records, outer_step: int, peer_id: str) -> bool:
+    """Whether the peers at `outer_step` averaged without this one: a record is past the step, and no other
+    peer is still ready or training at it (so a liar's claim past the step changes nothing while honest
+    peers are at it)."""
+    others = [r for pid, r in records.items() if pid != peer_id]
+    return (any(r.outer_step > outer_step for r in others)
+            and not any(r.outer_step == outer_step and r.phase in (READY, TRAINING) for r in others))
+
+
+def vouchers(records: Records, outer_step: int, sha256: str) -> set[str]:
+    """The identities whose live records (not "loading": they hold no agreed state) claim this state."""
+    return {peer for peer, r in records.items()
+            if r.phase != LOADING and (r.outer_step, r.sha256) == (outer_step, sha256)}
+
+
+def own_vouchers(records: Records, peer_id: str, outer_step: int, sha256: str) -> set[str]:
+    """This peer, the records at its step with its state, and the peers still committing the round that
+    brought it there (:func:`committing_toward`). At step 0, this peer alone: every fresh peer holds the
+    run's initial state (built from the seed), which says nothing about where the run is, so joiners that
+    start together follow a peer that went ahead."""
+    if outer_step == 0:
+        return {peer_id}
+    committing = {peer for peer, r in records.items() if committing_toward(r, outer_step)}
+    return {peer_id} | vouchers(records, outer_step, sha256) | committing

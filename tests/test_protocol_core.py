@@ -1,0 +1,86 @@
+"""The protocol core's phases, predicates and trust ledger (p2p_diloco/protocol), each rule with time passed in."""
+
+import math
+
+import pytest
+
+from p2p_diloco.protocol.ledger import TrustLedger, merge_seen
+from p2p_diloco.protocol.phases import TRANSITIONS, IllegalTransition, Phase, check_transition
+from p2p_diloco.protocol.view import (
+    KEEPING, LOADING, READY, TRAINING, PeerProgress, averaging_peers, busy_toward, committing_toward, own_vouchers,
+    round_closing, went_on_without,
+)
+from p2p_diloco.swarm.records import ProgressValue
+
+A, B = "a" * 64, "b" * 64
+
+
+def rec(peer, step, phase=TRAINING, sha=A, at=0.0):
+    return PeerProgress(peer, step, sha, phase, time=at)
+
+
+def test_a_round_moves_through_its_phases_and_nothing_else():
+    phases = [None, TRAINING, READY, TRAINING, READY, LOADING, TRAINING, "left"]
+    for old, new in zip(phases, phases[1:]):
+        check_transition(old, new)
+    for old, new in [(None, READY), (READY, READY), (LOADING, READY), (KEEPING, TRAINING), ("left", TRAINING)]:
+        with pytest.raises(IllegalTransition, match="cannot move"):
+            check_transition(old, new)
+
+
+def test_the_records_schema_allows_exactly_the_phases():
+    allowed = set(ProgressValue.__fields__["phase"].type_.__args__)
+    assert allowed == {p.value for p in Phase} and set(TRANSITIONS) - {None} == set(Phase)
+
+
+def test_a_peer_ready_at_the_step_before_is_on_its_way_and_busy():
+    assert committing_toward(rec("x", 3, READY), 4) and not committing_toward(rec("x", 3, TRAINING), 4)
+    records = {"me": rec("me", 4, READY), "x": rec("x", 3, READY), "y": rec("y", 4, LOADING),
+               "z": rec("z", 4, TRAINING), "k": rec("k", 4, KEEPING), "w": rec("w", 5, TRAINING)}
+    assert busy_toward(records, 4, "me") == {"x": READY, "y": LOADING, "z": TRAINING}
+    assert {r.peer_id for r in averaging_peers(records, "me")} == {"x", "y", "z", "w"}  # a keeper never averages
+    assert own_vouchers(records, "me", 4, A) == {"me", "x", "z", "k"}  # loading vouches for nothing
+
+
+def test_the_fastest_peer_closes_the_round_and_a_group_that_went_on_is_seen():
+    assert not round_closing({"me": rec("me", 4)}, 4, "me")
+    assert round_closing({"me": rec("me", 4), "x": rec("x", 4, READY)}, 4, "me")
+    assert round_closing({"me": rec("me", 4), "x": rec("x", 5)}, 4, "me")
+    gone_on = {"me": rec("me", 4, READY), "x": rec("x", 5)}
+    assert went_on_without(gone_on, 4, "me")
+    assert not went_on_without({**gone_on, "y": rec("y", 4, READY)}, 4, "me")  # a liar ahead changes nothing
+
+
+def test_a_record_seen_once_stands_until_it_expires_or_is_replaced():
+    seen = merge_seen({}, [(rec("x", 3, at=1.0), 100.0)], now=0.0)
+    seen = merge_seen(seen, [], now=50.0)  # a read that missed it
+    assert seen["x"][0].outer_step == 3
+    seen = merge_seen(seen, [(rec("x", 4, at=2.0), 100.0), (rec("y", 1, at=0.5), 60.0)], now=50.0)
+    assert seen["x"][0].outer_step == 4
+    assert set(merge_seen(seen, [], now=70.0)) == {"x"}  # y expired at 60
+
+
+def test_the_ledger_sets_claims_aside_until_their_author_moves_on_or_the_state_is_served():
+    ledger = TrustLedger("me")
+    seen = {"me": (rec("me", 3), math.inf), "x": (rec("x", 4, sha=B), 100.0)}
+    assert ledger.set_aside({"me": (3, A), "x": (4, B)}) == ["x"]  # never its own
+    records, aside = ledger.split(seen, now=10.0)
+    assert set(records) == {"me"} and set(aside) == {"x"}
+    ledger.served(4, B)
+    assert set(ledger.split(seen, now=10.0)[0]) == {"me", "x"}
+    ledger.set_aside({"x": (4, B)})
+    moved = {**seen, "x": (rec("x", 5, sha=A), 100.0)}
+    assert set(ledger.split(moved, now=10.0)[0]) == {"me", "x"} and "x" not in ledger.unverified
+    assert set(ledger.split(moved, now=200.0)[0]) == {"me"}  # x's record expired at 100
+
+
+def test_refused_states_and_distrusted_peers_count_nowhere_but_history_outlives_expiry():
+    ledger = TrustLedger("me")
+    seen = {"x": (rec("x", 7, sha=B, at=100.0), 50.0), "y": (rec("y", 5, at=90.0), 500.0),
+            "z": (rec("z", 9, LOADING, at=100.0), 500.0)}
+    history = ledger.history(seen, wall_now=130.0)  # x's record expired: the run was seen at 7 all the same
+    assert (history.outer_step, history.peers, history.age_s) == (7, 1, 30.0)
+    ledger.refuse(B)
+    assert ledger.history(seen, wall_now=130.0).outer_step == 5
+    ledger.refuse(peers=["y", "me"])
+    assert ledger.history(seen, wall_now=130.0) is None and "me" not in ledger.distrusted
