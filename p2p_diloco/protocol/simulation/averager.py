@@ -1,0 +1,100 @@
+"""Simulated averaging rounds: groups that form from each member's membership plan, and what they produce.
+
+A member asks the leaders of its plan (:func:`p2p_diloco.protocol.membership.plan_membership`) in order. A
+round is keyed by (outer step, θ_global, leader): it opens when its first member arrives and starts once every
+member of the opener's plan has joined, or a window after it opened (hivemind's matchmaking as
+:mod:`p2p_diloco.sync.membership` drives it). A member whose leader is dead, frozen, on the other side of a
+partition, or whose round has already started, asks the next leader a window later; with no leader left the
+attempt fails before any tensor moved. A round that started ends `duration` later: if every member is still
+there, with the group's aggregate under the run's robust rule (:func:`p2p_diloco.sync.robust.aggregate`, the
+real one, on small pseudo-gradients); else void for every survivor, who learn it `failure_detection_s` later
+(a reducer's parts never came, or its report).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from p2p_diloco.sync.robust import AggregationRule, aggregate
+
+
+@dataclass
+class SimRound:
+    step: int
+    sha256: str
+    leader: str
+    planned: frozenset[str]  # the opener's plan
+    opened: float
+    parts: dict[str, tuple[torch.Tensor, float]] = field(default_factory=dict)  # member -> (what it sends, claim)
+    started: Optional[float] = None
+    outcome: Optional["RoundOutcome"] = None
+
+
+@dataclass
+class RoundOutcome:
+    members: tuple[str, ...]
+    mean: Optional[torch.Tensor]  # None: the round failed (a member was lost)
+    known_at: float  # when the members learn it
+    failed: tuple[str, ...] = ()  # members lost mid-round
+    claims: dict[str, float] = field(default_factory=dict)
+    formed: bool = True  # False: fewer than two members came; nothing moved
+
+
+@dataclass
+class SimAverager:
+    """Every open round of the simulated run."""
+
+    rule: AggregationRule
+    window_s: float  # a leader takes members for this long (3 × matchmaking_time)
+    failure_detection_s: float  # how long the survivors of a round that lost a member wait to know it
+    present: Callable[[str, str], bool]  # whether a peer is alive, not frozen, and reachable from another
+    rounds: dict[tuple[int, str, str], SimRound] = field(default_factory=dict)
+    started_rounds: int = 0
+    failed_rounds: int = 0
+
+    def join(self, peer: str, step: int, sha256: str, leader: str, planned: frozenset[str], part: torch.Tensor,
+             claim: float, now: float) -> Optional[SimRound]:
+        """`peer` asks `leader` to take it into the round at (`step`, `sha256`): the round, or None if the leader
+        is not there or its round started already."""
+        if leader != peer and not self.present(leader, peer):
+            return None
+        key = (step, sha256, leader)
+        found = self.rounds.get(key)
+        if found is not None and found.started is not None:
+            return None
+        if found is None:
+            found = self.rounds[key] = SimRound(step, sha256, leader, planned, now)
+        found.parts[peer] = (part, claim)
+        return found
+
+    def tick(self, found: SimRound, now: float, duration: float) -> None:
+        """Start `found` when its planned members are in, or its window is over."""
+        if found.started is None and (set(found.planned) <= set(found.parts) or now >= found.opened + self.window_s):
+            found.started = now
+            if len(found.parts) < 2:  # hivemind's min_group_size: a leader alone disbands, no tensor moved
+                found.ends = now
+                found.outcome = RoundOutcome(tuple(found.parts), None, now, formed=False)
+                return
+            self.started_rounds += 1
+            found.outcome = None
+            found.ends = now + duration
+
+    def outcome(self, found: SimRound, now: float) -> Optional[RoundOutcome]:
+        """The round's outcome once it has ended (computed once, at its end), else None."""
+        if found.started is None or now < found.ends:
+            return None
+        if found.outcome is None:
+            members = tuple(sorted(found.parts))
+            lost = tuple(m for m in members if not all(self.present(m, other) for other in members if other != m))
+            if lost:
+                self.failed_rounds += 1
+                found.outcome = RoundOutcome(members, None, found.ends + self.failure_detection_s, lost)
+            else:
+                parts = [found.parts[m][0] for m in members]
+                claims = [found.parts[m][1] for m in members]
+                found.outcome = RoundOutcome(members, aggregate(parts, claims, self.rule), found.ends,
+                                             claims=dict(zip(members, claims)))
+        return found.outcome

@@ -1,0 +1,333 @@
+"""One simulated peer: the loop of :class:`p2p_diloco.train.diloco.DiLoCoPeer`, deciding with the real core.
+
+Each round, as a real peer runs it (``outer.sync_delay`` = 0, one fragment, DiLoCo's copy θ_local ← θ_global):
+
+1. read the records and plan (:func:`~p2p_diloco.protocol.plans.plan_round`); a load is trusted or not
+   (:func:`~p2p_diloco.protocol.trust.choose_target`), downloaded from a peer that holds the state, checked
+   (one step ahead: a step from this peer's state, else :func:`~p2p_diloco.protocol.trust.unverified_step_trusted`);
+2. behind the run with nobody to average with (:func:`~p2p_diloco.protocol.plans.behind_alone`): wait, never train;
+3. inner steps, until H or until another peer is ready (:func:`~p2p_diloco.protocol.view.round_closing`), then
+   ready; wait for the busy groupmates (:func:`~p2p_diloco.protocol.view.busy_toward`, bounded, silent peers
+   dropped); skip, go alone or average (:func:`~p2p_diloco.protocol.plans.plan_averaging`) in the group the
+   membership plan names (:func:`~p2p_diloco.protocol.membership.plan_membership`), retried once without the
+   members that failed;
+4. the update check (:func:`~p2p_diloco.protocol.update_rule.judge_update`) and the outer step.
+
+Its pseudo-gradient is a small vector that grows with the inner steps it holds: each inner step adds the run's
+direction and noise, so a peer with 2 inner steps sends mostly noise beside one with 25.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from p2p_diloco.protocol.ledger import Seen, TrustLedger, merge_seen, without_oldest_expired
+from p2p_diloco.protocol.membership import plan_membership
+from p2p_diloco.protocol.phases import check_transition
+from p2p_diloco.protocol.plans import RoundPlan, behind_alone, plan_averaging, plan_round
+from p2p_diloco.protocol.trust import choose_target, is_verifiable, unverified_step_trusted
+from p2p_diloco.protocol.view import (
+    DIRECT, LEFT, LOADING, READY, TRAINING, PeerProgress, busy_toward, round_closing, vouchers, went_on_without,
+)
+
+from p2p_diloco.protocol.simulation.schedule import HONEST, SCALER
+
+CHECK_S = 0.5  # how often a training peer reads whether the round is closing (ROUND_CHECK_PERIOD_S)
+WAIT_POLL_S = 0.5  # how often a ready peer reads whether its groupmates are (wait_for_groupmates)
+SILENT_CHECK_S, SILENT_MISSES = 2.0, 2  # SilentPeers: a busy peer that does not answer twice, 2 s apart, is gone
+BEHIND_POLL_S = 5.0  # catch_up.POLL_S
+ROUND_POLL_S = 0.2  # how often a matching member looks at its round
+LEFT_BEHIND_POLL_S = 1.0  # outer_sync.LEFT_BEHIND_POLL_S
+
+
+@dataclass
+class PeerCounts:
+    applied: int = 0
+    clipped: int = 0
+    void: int = 0
+    failed: int = 0
+    skipped: int = 0
+    alone: int = 0
+    loads: int = 0
+    load_failures: int = 0
+    refusals: int = 0
+    samples_trained: int = 0
+    samples_counted: int = 0
+    samples_dropped: int = 0  # by loads: the inner steps θ_local held went with it
+    void_streak: int = 0
+    longest_void_streak: int = 0
+
+
+@dataclass
+class SimPeer:
+    peer_id: str
+    swarm: Any  # the SimSwarm it runs in (p2p_diloco.protocol.simulation.swarm)
+    kind: str = HONEST
+    step_s: float = 0.05  # seconds per inner step
+    scale: float = 1.0  # what a SCALER multiplies its pseudo-gradient by
+    warm_up_s: float = 0.0  # its first inner step's extra seconds
+    serves: bool = True  # whether others can download its state
+    outer_step: int = 0
+    sha256: str = ""
+    delta: Optional[torch.Tensor] = None  # θ_global − θ_local
+    held_steps: int = 0
+    inner_steps: int = 0  # of its inner learning rate's schedule
+    seen: Seen = field(default_factory=dict)
+    own: Optional[PeerProgress] = None
+    groupmates: set[str] = field(default_factory=set)
+    set_aside_records: dict[str, PeerProgress] = field(default_factory=dict)
+    counts: PeerCounts = field(default_factory=PeerCounts)
+    last_progress: float = 0.0  # when it last took or loaded an outer step (or joined)
+    joined_at: float = 0.0
+    leave_at: float = math.inf
+    left: bool = False
+    attempts_at: tuple[int, int] = (-1, 0)
+    events: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.ledger = TrustLedger(self.peer_id)
+        self.rng = torch.Generator().manual_seed(self.swarm.seed * 1_000_003 + int(self.peer_id[1:]))
+
+    # ----- records ------------------------------------------------------------------------------
+    @property
+    def now(self) -> float:
+        return self.swarm.loop.now
+
+    @property
+    def honest(self) -> bool:
+        return self.kind == HONEST
+
+    def log(self, what: str) -> None:
+        self.events.append(f"{self.now:8.2f} {self.peer_id} step {self.outer_step}: {what}")
+
+    def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0) -> None:
+        check_transition(None if self.own is None else self.own.phase, phase)
+        self.own = PeerProgress(self.peer_id, outer_step, sha256, phase, samples, self.now, DIRECT)
+        self.swarm.dht.store(self.own, self.now)
+
+    def fetch(self) -> dict[str, PeerProgress]:
+        read = self.swarm.dht.read(self.peer_id, self.now) + [(self.own, math.inf)]
+        self.seen = without_oldest_expired(merge_seen(self.seen, read, now=-math.inf), self.now)
+        records, self.set_aside_records = self.ledger.split(self.seen, self.now)
+        return records
+
+    @property
+    def held_samples(self) -> int:
+        return self.held_steps * self.swarm.settings.samples_per_step
+
+    # ----- the loop -----------------------------------------------------------------------------
+    def run(self):
+        self.sha256 = self.swarm.initial.sha256
+        self.delta = torch.zeros_like(self.swarm.initial.params)
+        self.joined_at = self.last_progress = self.now
+        self.publish(0, self.sha256, TRAINING)
+        self.log("joined")
+        while self.now < self.leave_at:
+            records = self.fetch()
+            plan = plan_round(records, self.outer_step, self.sha256)
+            if plan.action == "load":
+                loaded = yield from self.load(plan, records)
+                if loaded:
+                    continue
+            if behind_alone(self.outer_step, self.ledger.history(self.seen, self.now), records, self.peer_id):
+                self.log("behind the run with nobody at its step: waiting for its state")
+                yield BEHIND_POLL_S
+                continue
+            yield from self.round()
+        self.publish(self.outer_step, self.sha256, LEFT)
+        self.swarm.dht.gone(self.peer_id, self.now)
+        self.left = True
+        self.log("left")
+
+    # ----- loading ------------------------------------------------------------------------------
+    def load(self, plan: RoundPlan, records: dict[str, PeerProgress]):
+        target, claims = (plan.target_step, plan.target_sha256), dict(plan.claims or {})
+        if plan.target_step > self.outer_step:
+            chosen, counts = choose_target(records, self.peer_id, self.outer_step, self.sha256, target,
+                                           frozenset(self.groupmates - self.ledger.distrusted), self.set_aside_records)
+            if chosen is None:
+                self.counts.refusals += 1
+                self.log(f"not loading outer step {target[0]}: {counts}")
+                self.ledger.set_aside(claims)
+                return False
+            if chosen != target:
+                target, claims = chosen, {peer: chosen for peer in vouchers(records, *chosen)}
+        self.publish(target[0], self.sha256, LOADING)
+        yield self.swarm.settings.download_s
+        state, donor = self.swarm.serve(target, self)
+        if state is None:
+            self.counts.load_failures += 1
+            self.publish(self.outer_step, self.sha256, TRAINING)
+            self.ledger.set_aside(claims)
+            self.log(f"nobody served outer step {target[0]}")
+            return False
+        forked = is_verifiable(self.outer_step, state.outer_step) and state.parent != self.sha256
+        if forked and not unverified_step_trusted(records, self.peer_id, self.outer_step, self.sha256, target):
+            self.counts.refusals += 1
+            self.ledger.refuse(state.sha256, [donor])
+            self.publish(self.outer_step, self.sha256, TRAINING)
+            self.log(f"refused outer step {state.outer_step}: not a step from its state")
+            return False
+        self.adopt(state, f"loaded from {donor}")
+        return True
+
+    def adopt(self, state: Any, how: str) -> None:
+        """Take `state` (a SimState of the run's registry) as its own: loaded, or the round it averaged in."""
+        loaded = how.startswith("loaded")
+        self.swarm.invariants.on_adopt(self, state, loaded)
+        if loaded:
+            self.counts.loads += 1
+            self.counts.samples_dropped += self.held_samples
+            self.inner_steps = max(self.inner_steps, state.outer_step * self.swarm.settings.inner_steps)
+        self.outer_step, self.sha256 = state.outer_step, state.sha256
+        self.delta = torch.zeros_like(self.delta)
+        self.held_steps = 0
+        self.last_progress = self.now
+        self.ledger.served(state.outer_step, state.sha256)
+        self.publish(self.outer_step, self.sha256, TRAINING)
+        if loaded:
+            self.log(f"{how}: now at {state.sha256[:8]}")
+
+    # ----- a round ------------------------------------------------------------------------------
+    def train(self, steps: int) -> None:
+        """`steps` inner steps: each moves θ_local along the run's direction and noise, scaled by the inner
+        learning rate's linear warmup (a fresh peer's first steps move it little; a peer that loaded the run's
+        state fast-forwards its schedule, as InnerTrainer.fast_forward_schedule does)."""
+        settings = self.swarm.settings
+        factors = [min(1.0, (self.inner_steps + i + 1) / settings.warmup_steps) for i in range(steps)]
+        noise = torch.randn(self.delta.shape, generator=self.rng) / math.sqrt(self.delta.numel())
+        spread = math.sqrt(sum(f * f for f in factors))
+        self.delta += settings.step_size * (sum(factors) * self.swarm.direction + spread * settings.noise * noise)
+        self.inner_steps += steps
+        self.held_steps += steps
+        self.counts.samples_trained += steps * settings.samples_per_step
+
+    def round(self):
+        settings = self.swarm.settings
+        step, sha = self.outer_step, self.sha256
+        self.publish(step, sha, TRAINING, self.held_samples)
+        done, end = 0, settings.inner_steps
+        while done < end and self.now < self.leave_at:
+            chunk = min(end - done, max(1, int(CHECK_S / self.step_s)))
+            warm_up, self.warm_up_s = self.warm_up_s, 0.0
+            if warm_up:
+                chunk = min(chunk, max(1, int((CHECK_S - warm_up) / self.step_s)))
+            yield chunk * self.step_s + warm_up
+            self.train(chunk)
+            done += chunk
+            if end == settings.inner_steps and round_closing(self.fetch(), step, self.peer_id):
+                end = min(end, done + settings.lead_steps)
+        if done < end:
+            return  # leaving
+        self.publish(step, sha, READY, self.held_samples)
+        outcome = yield from self.sync(step, sha)
+        self.log(f"{outcome} (held {self.held_steps} inner steps)" if self.outer_step == step else
+                 f"{outcome}: now at {self.sha256[:8]}")
+
+    def sync(self, step: int, sha: str):
+        settings = self.swarm.settings
+        records = yield from self.wait_for_groupmates(step)
+        if any(r.outer_step > step for r in records.values()):
+            return self.not_applied("skipped", "the swarm moved past the step")
+        plan = plan_averaging(records, step, self.peer_id, DIRECT)
+        if plan.action == "skip":
+            return self.not_applied("skipped", plan.reason)
+        if plan.action == "alone":
+            self.counts.alone += 1
+            return self.apply(self.swarm.commit_alone(self, self.sent()), "alone")
+        for attempt in range(1, settings.attempts + 1):
+            membership = plan_membership(records, step, sha, self.peer_id, DIRECT, self.next_attempt(step))
+            outcome = yield from self.average(step, sha, membership)
+            if outcome == "left behind":
+                return self.not_applied("skipped", "its group averaged without it")
+            if outcome is None:
+                return self.not_applied("failed", "no leader took it in")
+            if outcome.mean is not None:
+                return self.apply(self.swarm.commit(outcome, step, sha), f"averaged in {len(outcome.members)}")
+            if attempt == settings.attempts:
+                return self.not_applied("failed", f"members lost: {outcome.failed}")
+            records = {p: r for p, r in self.fetch().items() if p not in outcome.failed or self.swarm.answers(p)}
+            if any(r.outer_step > step for r in records.values()):
+                return self.not_applied("skipped", "attempt failed while the swarm moved on")
+        return self.not_applied("failed", "no attempt left")
+
+    def wait_for_groupmates(self, step: int):
+        deadline = self.now + self.swarm.settings.round_wait_timeout
+        gone: set[str] = set()
+        misses: dict[str, int] = {}
+        next_check = self.now + SILENT_CHECK_S
+        while True:
+            records = {p: r for p, r in self.fetch().items() if p not in gone}
+            busy = busy_toward(records, step, self.peer_id)
+            if self.now >= next_check:
+                next_check = self.now + SILENT_CHECK_S
+                for peer in busy:
+                    misses[peer] = 0 if self.swarm.answers(peer) else misses.get(peer, 0) + 1
+                    if misses[peer] >= SILENT_MISSES:
+                        gone.add(peer)
+                busy = {p: phase for p, phase in busy.items() if p not in gone}
+                records = {p: r for p, r in records.items() if p not in gone}
+            if not busy or self.now >= deadline:
+                return records
+            yield WAIT_POLL_S
+
+    def average(self, step: int, sha: str, membership):
+        settings, averager = self.swarm.settings, self.swarm.averager
+        if membership is None:
+            return None
+        planned = frozenset(membership.members)
+        for leader in membership.leaders:
+            joined = averager.join(self.peer_id, step, sha, leader, planned, self.sent(), float(self.held_samples),
+                                   self.now)
+            if joined is None:
+                yield averager.window_s if not self.swarm.present(leader, self.peer_id) else ROUND_POLL_S
+                continue
+            next_look = self.now
+            while True:  # noqa: the loop ends with the round's outcome, a disbanded group, or left behind
+                averager.tick(joined, self.now, settings.round_duration(len(joined.parts)))
+                outcome = averager.outcome(joined, self.now)
+                if outcome is not None and not outcome.formed:
+                    break  # nobody joined this leader: ask the next one
+                if outcome is not None and self.now >= outcome.known_at:
+                    return outcome
+                if joined.started is None and self.now >= next_look:
+                    next_look = self.now + LEFT_BEHIND_POLL_S
+                    if went_on_without(self.fetch(), step, self.peer_id):
+                        joined.parts.pop(self.peer_id, None)
+                        return "left behind"
+                yield ROUND_POLL_S
+        return None
+
+    def next_attempt(self, step: int) -> int:
+        at, made = self.attempts_at
+        self.attempts_at = (step, made + 1 if at == step else 1)
+        return self.attempts_at[1]
+
+    def sent(self) -> torch.Tensor:
+        return self.delta * self.scale if self.kind == SCALER else self.delta.clone()
+
+    # ----- outcomes -----------------------------------------------------------------------------
+    def apply(self, committed, how: str) -> str:
+        verdict, state, members = committed
+        if state is None:
+            self.counts.void += 1
+            self.counts.void_streak += 1
+            self.counts.longest_void_streak = max(self.counts.longest_void_streak, self.counts.void_streak)
+            self.swarm.invariants.on_void(self)
+            return self.not_applied("void", verdict.reason, count=False)
+        self.counts.applied += 1
+        self.counts.clipped += verdict.action == "clipped"
+        self.counts.void_streak = 0
+        self.counts.samples_counted += self.held_samples
+        self.groupmates.update(m for m in members if m != self.peer_id)
+        self.adopt(state, how)
+        return how
+
+    def not_applied(self, what: str, why: str, count: bool = True) -> str:
+        if count:
+            setattr(self.counts, what, getattr(self.counts, what) + 1)
+        return f"{what}: {why}"
