@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from p2p_diloco.protocol.ledger import TrustLedger, merge_seen
+from p2p_diloco.protocol.ledger import ASIDE_S, TrustLedger, merge_seen
 from p2p_diloco.protocol.phases import TRANSITIONS, IllegalTransition, Phase, check_transition
 from p2p_diloco.protocol.view import (
     KEEPING, LOADING, READY, TRAINING, PeerProgress, averaging_peers, busy_toward, committing_toward, own_vouchers,
@@ -38,6 +38,8 @@ def test_a_peer_ready_at_the_step_before_is_on_its_way_and_busy():
     records = {"me": rec("me", 4, READY), "x": rec("x", 3, READY), "y": rec("y", 4, LOADING),
                "z": rec("z", 4, TRAINING), "k": rec("k", 4, KEEPING), "w": rec("w", 5, TRAINING)}
     assert busy_toward(records, 4, "me") == {"x": READY, "y": LOADING, "z": TRAINING}
+    other_state = {**records, "z": rec("z", 4, TRAINING, sha=B)}  # it cannot be in this peer's round
+    assert busy_toward(other_state, 4, "me", A) == {"x": READY, "y": LOADING}
     assert {r.peer_id for r in averaging_peers(records, "me")} == {"x", "y", "z", "w"}  # a keeper never averages
     assert own_vouchers(records, "me", 4, A) == {"me", "x", "z", "k"}  # loading vouches for nothing
 
@@ -63,12 +65,16 @@ def test_a_record_seen_once_stands_until_it_expires_or_is_replaced():
 def test_the_ledger_sets_claims_aside_until_their_author_moves_on_or_the_state_is_served():
     ledger = TrustLedger("me")
     seen = {"me": (rec("me", 3), math.inf), "x": (rec("x", 4, sha=B), 100.0)}
-    assert ledger.set_aside({"me": (3, A), "x": (4, B)}) == ["x"]  # never its own
+    assert ledger.set_aside({"me": (3, A), "x": (4, B)}, now=0.0) == ["x"]  # never its own
     records, aside = ledger.split(seen, now=10.0)
     assert set(records) == {"me"} and set(aside) == {"x"}
     ledger.served(4, B)
     assert set(ledger.split(seen, now=10.0)[0]) == {"me", "x"}
-    ledger.set_aside({"x": (4, B)})
+    ledger.set_aside({"x": (4, B)}, now=0.0)
+    same_step = {**seen, "x": (rec("x", 4, sha=A), 100.0)}  # another state at the same step: still aside
+    assert set(ledger.split(same_step, now=10.0)[0]) == {"me"}
+    assert set(ledger.split(same_step, now=ASIDE_S + 1)[0]) == {"me", "x"}  # asked again after a while
+    ledger.set_aside({"x": (4, B)}, now=0.0)
     moved = {**seen, "x": (rec("x", 5, sha=A), 100.0)}
     assert set(ledger.split(moved, now=10.0)[0]) == {"me", "x"} and "x" not in ledger.unverified
     assert set(ledger.split(moved, now=200.0)[0]) == {"me"}  # x's record expired at 100

@@ -5,7 +5,7 @@ miss records: a record seen once stands until it expires or its author replaces 
 :class:`TrustLedger` holds what this peer learnt not to take on trust:
 
 * set-aside claims: a record that claims a state nobody served, or one this peer would not load on so few
-  vouchers, until its author publishes another state or this peer loads that state;
+  vouchers, until its author claims another step, this peer loads that state, or :data:`ASIDE_S` pass;
 * refused states: a state that failed the state check, for the rest of the run;
 * distrusted peers: identities that served a malformed or refused state, for the rest of the run.
 
@@ -22,6 +22,10 @@ from typing import Iterable, Optional, Sequence
 from p2p_diloco.protocol.view import LEFT, LOADING, PeerProgress, RunHistory
 
 MAX_EXPIRED = 1024  # authors whose latest record a peer keeps, for the run's history, once it has expired
+# how long a claim stays set aside while its author stays at its step: a donor frozen when a joiner asked is asked
+# again (left aside, the joiner and its company started a second history beside it, for good: the simulation's
+# seed 25), and a liar costs one failed download per ASIDE_S
+ASIDE_S = 30.0
 
 Seen = dict[str, tuple[PeerProgress, float]]  # peer ID -> its latest record seen, and when that record expires
 
@@ -55,7 +59,8 @@ class TrustLedger:
     """Whose records and which states this peer (`peer_id`) no longer takes on trust (see the module)."""
 
     peer_id: str
-    unverified: dict[str, tuple[int, str]] = field(default_factory=dict)  # peer ID -> the claim set aside
+    # peer ID -> the claim set aside (outer step, sha256) and until when (DHT time)
+    unverified: dict[str, tuple[int, str, float]] = field(default_factory=dict)
     refused_states: set[str] = field(default_factory=set)  # sha256 of states that failed the state check
     distrusted: set[str] = field(default_factory=set)  # identities that served a malformed or refused state
 
@@ -66,15 +71,20 @@ class TrustLedger:
 
     def split(self, seen: Seen, now: float) -> tuple[dict[str, PeerProgress], dict[str, PeerProgress]]:
         """The live records (expiring after `now`, not LEFT) that a plan counts, and the live ones set aside.
-        An author whose record claims something other than what was set aside counts again from now on."""
+
+        A set-aside author stays aside while its record claims the step it was set aside at, whatever state it
+        names there: a liar that names a new state every few seconds otherwise counted again at once, and one
+        identity claiming step 1 beside a run at step 0 stalled it for good (the simulation's seed 37). It
+        counts again once it claims another step (an honest peer's next step), or after :data:`ASIDE_S`."""
         records, set_aside = {}, {}
         for record, expiration in seen.values():
             if expiration <= now or record.phase == LEFT or not self.counts(record):
                 continue
-            if self.unverified.get(record.peer_id) == (record.outer_step, record.sha256):
+            aside = self.unverified.get(record.peer_id)
+            if aside is not None and aside[0] == record.outer_step and now < aside[2]:
                 set_aside[record.peer_id] = record
                 continue
-            self.unverified.pop(record.peer_id, None)  # it moved on: its new claim counts again
+            self.unverified.pop(record.peer_id, None)  # it moved on, or was aside long enough: it counts again
             records[record.peer_id] = record
         return records, set_aside
 
@@ -90,15 +100,16 @@ class TrustLedger:
         at_step = [record for record in held if record.outer_step == step]
         return RunHistory(step, len(at_step), max(0.0, wall_now - max(record.time for record in at_step)))
 
-    def set_aside(self, claims: dict[str, tuple[int, str]]) -> list[str]:
-        """Set these peers' claims aside while they claim the same (outer step, sha256); the peers set aside."""
+    def set_aside(self, claims: dict[str, tuple[int, str]], now: float) -> list[str]:
+        """Set these peers' claims (outer step, sha256) aside from `now` (DHT time); the peers set aside."""
         aside = [peer for peer in claims if peer != self.peer_id]
-        self.unverified.update((peer, claims[peer]) for peer in aside)
+        self.unverified.update((peer, (*claims[peer], now + ASIDE_S)) for peer in aside)
         return aside
 
     def served(self, outer_step: int, sha256: str) -> None:
         """This peer holds the state (`outer_step`, `sha256`) now, checked: the claims of it count again."""
-        self.unverified = {peer: claim for peer, claim in self.unverified.items() if claim != (outer_step, sha256)}
+        self.unverified = {peer: claim for peer, claim in self.unverified.items()
+                           if claim[:2] != (outer_step, sha256)}
 
     def refuse(self, sha256: Optional[str] = None, peers: Sequence[str] = ()) -> None:
         """Refuse the state `sha256` and distrust `peers` for the rest of the run."""

@@ -10,7 +10,7 @@ are what every rule of the protocol asks of them, so that a rule never re-derive
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Optional
 
 from p2p_diloco.protocol.phases import Phase
 
@@ -58,12 +58,20 @@ def averaging_peers(records: Records, peer_id: str) -> list[PeerProgress]:
     return [r for pid, r in records.items() if pid != peer_id and r.phase != KEEPING]
 
 
-def busy_toward(records: Records, outer_step: int, peer_id: str) -> dict[str, str]:
-    """The peers (ID -> phase) still on their way to averaging toward `outer_step` + 1: training or loading
-    the state at `outer_step`, or committing the round that brings them there. A peer ready at the step
-    waits for them (:meth:`p2p_diloco.swarm.progress.SwarmProgress.wait_for_groupmates`)."""
+def busy_toward(records: Records, outer_step: int, peer_id: str, sha256: Optional[str] = None) -> dict[str, str]:
+    """The peers (ID -> phase) still on their way to averaging toward `outer_step` + 1 with this peer, whose
+    state is `sha256`: training from that state, loading the state at `outer_step`, or committing the round
+    that brings them there. A peer ready at the step waits for them
+    (:meth:`p2p_diloco.swarm.progress.SwarmProgress.wait_for_groupmates`).
+
+    A peer training from another state at the step cannot be in this peer's round (its θ_global differs):
+    it is not waited for. One identity whose record said "training" at the run's step held every round for
+    ``round_wait_timeout``, and two honest peers whose waits ended apart never met again (the simulation's
+    ``vote_tie_while_committing``). Once such a peer loads the agreed state it says "loading", and is
+    waited for. `sha256` None: any state."""
     return {r.peer_id: r.phase for r in records.values()
-            if (r.outer_step == outer_step and r.phase in (TRAINING, LOADING))
+            if (r.outer_step == outer_step and r.phase == LOADING)
+            or (r.outer_step == outer_step and r.phase == TRAINING and sha256 in (None, r.sha256))
             or (committing_toward(r, outer_step) and r.peer_id != peer_id)}
 
 

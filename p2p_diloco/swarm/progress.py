@@ -142,9 +142,10 @@ class SwarmProgress:
         return self.ledger.history(self._seen, time.time())
 
     def set_aside(self, claims: dict[str, tuple[int, str]], why: str = "no peer served that state") -> None:
-        """Ignore these peers' records while they claim the same (outer step, sha256): nobody served it, or
-        `why` this peer would not load it."""
-        for peer_id in self.ledger.set_aside(claims):
+        """Ignore these peers' records while they claim the same outer step, for a while
+        (:class:`~p2p_diloco.protocol.ledger.TrustLedger`): nobody served their state, or `why` this peer would
+        not load it."""
+        for peer_id in self.ledger.set_aside(claims, get_dht_time()):
             logger.warning("setting aside the record of peer %s: it claims outer step %d (%s) but %s",
                            peer_id, claims[peer_id][0], claims[peer_id][1][:12], why)
 
@@ -179,11 +180,13 @@ class SwarmProgress:
                 return seen
 
     def wait_for_groupmates(
-        self, outer_step: int, timeout: float, stop: threading.Event, poll: float = 0.5, first_poll: float = 0.05
+        self, outer_step: int, timeout: float, stop: threading.Event, poll: float = 0.5, first_poll: float = 0.05,
+        sha256: Optional[str] = None,
     ) -> dict[str, PeerProgress]:
-        """Wait until no live peer is still on its way to averaging toward `outer_step + 1`: training or
-        loading the state at `outer_step`, or still committing the round that brings it there (its
-        record says ready at `outer_step - 1`). At most `timeout` s, or until `stop`.
+        """Wait until no live peer is still on its way to averaging toward `outer_step + 1` with this one, whose
+        state is `sha256` (:func:`~p2p_diloco.protocol.view.busy_toward`): training from that state or loading
+        the state at `outer_step`, or still committing the round that brings it there (its record says ready
+        at `outer_step - 1`). At most `timeout` s, or until `stop`.
 
         Returns the records seen last. Peers still busy after the timeout are left behind: they catch
         up by downloading the state afterwards. Waiting for a loading peer keeps a swarm whose rounds
@@ -197,7 +200,7 @@ class SwarmProgress:
         silent = SilentPeers(self.answering)
         while True:
             records = {peer: r for peer, r in self.fetch().items() if peer not in silent.gone}
-            busy = busy_toward(records, outer_step, self.peer_id)
+            busy = busy_toward(records, outer_step, self.peer_id, sha256)
             for peer in silent.check([records[p] for p in busy]):
                 logger.warning("outer step %d: not waiting for %s any more: its record says %s, but it does not "
                                "answer on the network (it left or crashed)", outer_step + 1, peer[-8:], busy[peer])

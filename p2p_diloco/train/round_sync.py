@@ -92,7 +92,8 @@ class RoundSync:
               global_sha256: str) -> SyncOutcome:
         to_send = to_send if isinstance(to_send, PendingDelta) else PendingDelta(to_send)
         began = time.monotonic()
-        records = self.progress.wait_for_groupmates(step, self.round_wait_timeout, self.stop_event)
+        records = self.progress.wait_for_groupmates(step, self.round_wait_timeout, self.stop_event,
+                                                    sha256=global_sha256)
         waited_s = round(time.monotonic() - began, 4)
         if self.stop_event.is_set():
             return SyncOutcome(event=ROUND_STOPPED, reason="this peer is stopping")

@@ -152,7 +152,7 @@ class SimPeer:
             if chosen is None:
                 self.counts.refusals += 1
                 self.log(f"not loading outer step {target[0]}: {counts}")
-                self.ledger.set_aside(claims)
+                self.ledger.set_aside(claims, self.now)
                 return False
             if chosen != target:
                 target, claims = chosen, {peer: chosen for peer in vouchers(records, *chosen)}
@@ -162,7 +162,7 @@ class SimPeer:
         if state is None:
             self.counts.load_failures += 1
             self.publish(self.outer_step, self.sha256, TRAINING)
-            self.ledger.set_aside(claims)
+            self.ledger.set_aside(claims, self.now)
             self.log(f"nobody served outer step {target[0]}")
             return False
         forked = is_verifiable(self.outer_step, state.outer_step) and state.parent != self.sha256
@@ -230,7 +230,7 @@ class SimPeer:
 
     def sync(self, step: int, sha: str):
         settings = self.swarm.settings
-        records = yield from self.wait_for_groupmates(step)
+        records = yield from self.wait_for_groupmates(step, sha)
         if any(r.outer_step > step for r in records.values()):
             return self.not_applied("skipped", "the swarm moved past the step")
         plan = plan_averaging(records, step, self.peer_id, DIRECT)
@@ -255,14 +255,14 @@ class SimPeer:
                 return self.not_applied("skipped", "attempt failed while the swarm moved on")
         return self.not_applied("failed", "no attempt left")
 
-    def wait_for_groupmates(self, step: int):
+    def wait_for_groupmates(self, step: int, sha: str):
         deadline = self.now + self.swarm.settings.round_wait_timeout
         gone: set[str] = set()
         misses: dict[str, int] = {}
         next_check = self.now + SILENT_CHECK_S
         while True:
             records = {p: r for p, r in self.fetch().items() if p not in gone}
-            busy = busy_toward(records, step, self.peer_id)
+            busy = busy_toward(records, step, self.peer_id, sha)
             if self.now >= next_check:
                 next_check = self.now + SILENT_CHECK_S
                 for peer in busy:
