@@ -29,7 +29,7 @@ class ScalarSink(Protocol):
 # Metrics section describes each, and MetricsWriter refuses any other (a new event is added here first).
 EVENTS = (
     "join", "reachability", "state_loaded", "state_load_failed", "state_refused", "outer_step", "attempt_failed",
-    "round_failed", "round_skipped", "round_rejected", "round_stopped", "excluded", "eval", "exit",
+    "round_failed", "round_skipped", "round_clipped", "round_rejected", "round_stopped", "excluded", "eval", "exit",
 )
 
 
