@@ -7,8 +7,8 @@ import pytest
 from p2p_diloco.protocol.ledger import ASIDE_S, TrustLedger, merge_seen
 from p2p_diloco.protocol.phases import TRANSITIONS, IllegalTransition, Phase, check_transition
 from p2p_diloco.protocol.view import (
-    KEEPING, LOADING, READY, TRAINING, PeerProgress, averaging_peers, busy_toward, committing_toward, own_vouchers,
-    round_closing, went_on_without,
+    KEEPING, LOADING, READY, TRAINING, PeerProgress, averages, averaging_peers, busy_toward, committing_toward,
+    keepers, own_vouchers, ready_at, round_closing, went_on_without,
 )
 from p2p_diloco.swarm.records import ProgressValue
 
@@ -42,6 +42,8 @@ def test_a_peer_ready_at_the_step_before_is_on_its_way_and_busy():
     assert busy_toward(other_state, 4, "me", A) == {"x": READY, "y": LOADING}
     assert {r.peer_id for r in averaging_peers(records, "me")} == {"x", "y", "z", "w"}  # a keeper never averages
     assert own_vouchers(records, "me", 4, A) == {"me", "x", "z", "k"}  # loading vouches for nothing
+    assert [r.peer_id for r in keepers(records, "me")] == ["k"] and not averages(records["k"])
+    assert set(ready_at(records, 4)) == {"me"} and set(ready_at(records, 3, B)) == set()
 
 
 def test_the_fastest_peer_closes_the_round_and_a_group_that_went_on_is_seen():

@@ -10,7 +10,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
-from p2p_diloco.protocol.view import DIRECT, READY, PeerProgress
+from p2p_diloco.protocol.view import DIRECT, PeerProgress, ready_at
 
 MAX_LEADERS = 3  # leaders a plan names, in order: a dead first leader costs one window, two cost two
 
@@ -52,8 +52,7 @@ def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sh
 
     None when none of them can be dialled: then only an assistant can reduce, and it finds the group
     through hivemind's matchmaking."""
-    members = {pid: r.reachability for pid, r in records.items()
-               if r.outer_step == outer_step and r.phase == READY and r.sha256 == global_sha256}
+    members = {pid: r.reachability for pid, r in ready_at(records, outer_step, global_sha256).items()}
     members[peer_id] = reachability
     leaders = sorted((pid for pid, mode in members.items() if mode == DIRECT),
                      key=lambda pid: leader_rank(outer_step, global_sha256, pid, attempt))[:MAX_LEADERS]

@@ -53,9 +53,25 @@ def committing_toward(record: PeerProgress, outer_step: int) -> bool:
     return record.outer_step == outer_step - 1 and record.phase == READY
 
 
+def averages(record: PeerProgress) -> bool:
+    """Whether `record`'s peer is one that averages: every peer but the run's keeper, which only keeps the state."""
+    return record.phase != KEEPING
+
+
 def averaging_peers(records: Records, peer_id: str) -> list[PeerProgress]:
     """The records of the other peers this one may average with, at whatever step: a keeper never averages."""
-    return [r for pid, r in records.items() if pid != peer_id and r.phase != KEEPING]
+    return [r for pid, r in records.items() if pid != peer_id and averages(r)]
+
+
+def keepers(records: Records, peer_id: str) -> list[PeerProgress]:
+    """The records of the run's keepers other than this peer: they serve the state, and never average."""
+    return [r for pid, r in records.items() if pid != peer_id and not averages(r)]
+
+
+def ready_at(records: Records, outer_step: int, sha256: Optional[str] = None) -> dict[str, PeerProgress]:
+    """The peers ready to average toward `outer_step` + 1 (from the state `sha256`; None: any)."""
+    return {pid: r for pid, r in records.items()
+            if r.outer_step == outer_step and r.phase == READY and sha256 in (None, r.sha256)}
 
 
 def busy_toward(records: Records, outer_step: int, peer_id: str, sha256: Optional[str] = None) -> dict[str, str]:

@@ -40,7 +40,7 @@ from p2p_diloco.remote_input import warn_once
 from p2p_diloco.protocol.ledger import Seen, TrustLedger, merge_seen, without_oldest_expired
 from p2p_diloco.protocol.phases import check_transition
 from p2p_diloco.protocol.view import (
-    DIRECT, KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RunHistory, busy_toward,
+    DIRECT, KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, busy_toward,
 )
 from p2p_diloco.swarm.records import ProgressValue, RecordPublisher, progress_key, read_signed, signed_records
 
@@ -169,7 +169,7 @@ class SwarmProgress:
         """
         deadline = time.monotonic() + timeout
         while True:
-            seen = sum(record.phase != KEEPING for record in self.fetch().values())  # a keeper trains nothing
+            seen = sum(averages(record) for record in self.fetch().values())  # a keeper trains nothing
             if seen >= count:
                 return seen
             if time.monotonic() >= deadline:

@@ -38,7 +38,7 @@ from hivemind import DHT
 from p2p_diloco.remote_input import warn_once
 from p2p_diloco.schedule import fragment_at
 from p2p_diloco.protocol.plans import agreed_sha256
-from p2p_diloco.protocol.view import KEEPING, READY, PeerProgress
+from p2p_diloco.protocol.view import READY, PeerProgress, averages
 from p2p_diloco.swarm.progress import read_progress
 from p2p_diloco.swarm.reachability import UNREACHABLE
 from p2p_diloco.swarm.records import AssistanceRequest, assistance_key, progress_key, signed_records
@@ -59,7 +59,7 @@ def step_needing_help(records: Sequence[PeerProgress]) -> Optional[int]:
     keeper, which never averages, left out)."""
     by_step: dict[int, list[PeerProgress]] = defaultdict(list)
     for record in records:
-        if record.phase != KEEPING:
+        if averages(record):
             by_step[record.outer_step].append(record)
     steps = [step for step, peers in by_step.items()
              if len(peers) >= 2 and all(r.phase == READY and r.reachability == UNREACHABLE for r in peers)]

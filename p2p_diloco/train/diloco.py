@@ -56,7 +56,9 @@ from p2p_diloco.swarm.reachability import DIRECT
 from p2p_diloco.protocol.plans import RoundPlan, behind_alone, plan_round
 from p2p_diloco.protocol.trust import choose_target, is_verifiable, unverified_step_trusted
 from p2p_diloco.protocol.update_rule import CLIPPED, VOID
-from p2p_diloco.protocol.view import KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, vouchers
+from p2p_diloco.protocol.view import (
+    KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, averages, keepers, vouchers,
+)
 from p2p_diloco.swarm.progress import SwarmProgress
 from p2p_diloco.swarm.records import RecordPublisher, assistance_key
 from p2p_diloco.swarm.status import EXCLUDED_AFTER_ROUNDS, StatusPublisher, choose_shard, read_status, settings_mismatch
@@ -712,7 +714,7 @@ class DiLoCoPeer:
             self._refuse_state(state, plan, problem, failures)
             return False
         donor_record = records.get(state.donor)
-        source = "keeper" if donor_record is not None and donor_record.phase == KEEPING else "peer"
+        source = "keeper" if donor_record is not None and not averages(donor_record) else "peer"
         self._adopt(state.tensors, state.outer_step, state.inner_steps, plan.reason, source=source, donor=state.donor,
                     failed_donors=failures)
         return True
@@ -840,15 +842,15 @@ class DiLoCoPeer:
             return
         step, sha = self.global_model.outer_step, self.sha256
         records = self.progress.fetch()
-        keepers = sorted(pid for pid, r in records.items()
-                         if r.phase == KEEPING and r.outer_step < step and r.reachability == DIRECT)
+        behind = sorted(r.peer_id for r in keepers(records, self.peer_id)
+                        if r.outer_step < step and r.reachability == DIRECT)
         holders = sorted(pid for pid, r in records.items()
-                         if r.outer_step == step and r.sha256 == sha and r.phase != KEEPING)
-        if not keepers or (first_only and holders and holders[0] != self.peer_id):
+                         if r.outer_step == step and r.sha256 == sha and averages(r))
+        if not behind or (first_only and holders and holders[0] != self.peer_id):
             return
 
         def push() -> None:
-            for keeper in keepers:
+            for keeper in behind:
                 problem = self.sync.averager.push_state(keeper, self.cfg.swarm.state_download_timeout)
                 logger.info("pushed outer step %d to the run's keeper %s%s", step, keeper[-8:],
                             f": {problem}" if problem else "")
@@ -864,8 +866,8 @@ class DiLoCoPeer:
         step, deadline = self.global_model.outer_step, time.monotonic() + HANDOVER_S
         self._push_to_keeper(first_only=False)  # an unreachable peer: the keeper cannot download from it
         for poll in itertools.count():
-            keepers = [r for r in self.progress.fetch().values() if r.phase == KEEPING and r.peer_id != self.peer_id]
-            if not keepers or any(r.outer_step >= step for r in keepers):
+            found = keepers(self.progress.fetch(), self.peer_id)
+            if not found or any(r.outer_step >= step for r in found):
                 return
             if time.monotonic() >= deadline:
                 logger.warning("leaving before the run's keeper has this peer's outer step %d", step)

@@ -34,7 +34,7 @@ import torch
 
 from p2p_diloco.protocol.membership import plan_membership
 from p2p_diloco.protocol.plans import plan_averaging
-from p2p_diloco.protocol.view import READY, PeerProgress, round_closing, went_on_without
+from p2p_diloco.protocol.view import PeerProgress, ready_at, round_closing, went_on_without
 from p2p_diloco.swarm.progress import SwarmProgress
 from p2p_diloco.swarm.reachability import DIRECT
 from p2p_diloco.sync.outer_sync import GroupMean, LeftBehind, OuterSync, PendingDelta, RoundFailed
@@ -134,7 +134,7 @@ class RoundSync:
                                        failed_attempts=failed)
                 logger.warning("outer step %d: attempt %d of %d failed (%s); averaging again with the %d peers ready "
                                "at the step that still answer", step + 1, attempt, self.attempts, e,
-                               sum(r.outer_step == step and r.phase == READY for r in records.values()))
+                               len(ready_at(records, step)))
 
     def _alone(self, to_send: PendingDelta, samples: int) -> SyncOutcome:
         """This peer's own Δ as the step's mean (no other peer of the run is live), once it is handed over."""
@@ -168,8 +168,8 @@ class RoundSync:
         peers a failed attempt lost); all of them when this peer cannot ask."""
         if self.progress.answering is None:
             return records
-        ready = [pid for pid, r in records.items()  # only a peer others can dial can be asked (as swarm.progress does)
-                 if pid != self.peer_id and r.outer_step == step and r.phase == READY and r.reachability == DIRECT]
+        ready = [pid for pid, r in ready_at(records, step).items()  # only a peer others can dial can be asked
+                 if pid != self.peer_id and r.reachability == DIRECT]
         answering = self.progress.answering(ready) if ready else set()
         return {pid: r for pid, r in records.items() if pid not in ready or pid in answering}
 
