@@ -39,7 +39,8 @@ def run_trials(trials: Sequence[Trial], workers: int = 1) -> list[SimReport]:
     """Each trial's report, in order; in `workers` processes (the simulation is deterministic either way)."""
     if workers <= 1 or len(trials) < 2:
         return [_run(trial) for trial in trials]
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    # spawned, not forked: a test process may hold other threads (a DHT's, a logger's) whose locks a fork copies
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
         return pool.map(_run, trials, chunksize=max(1, len(trials) // (4 * workers)))
 
 
