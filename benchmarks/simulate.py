@@ -4,7 +4,7 @@
     python benchmarks/simulate.py --peers 4 --seeds 200 --update-check void   # the rule before issue 42
     python benchmarks/simulate.py --replay 37 --peers 4                  # one seed: its schedule and transcript
     python benchmarks/simulate.py --scenario stall_at_step_2 --update-check void
-    python benchmarks/simulate.py --peers 1000 --seeds 1 --end 60        # many peers: rounds, work, messages
+    python benchmarks/simulate.py --peers 1000 --seeds 1 --end 60 --arrival together   # many peers
 
 Each seed is a schedule (:mod:`p2p_diloco.protocol.simulation.schedule`: arrivals together, 1 or 2 s apart or
 minutes apart; read and store delays, missed reads, crashes, freezes, partitions, a liar or a scaler), run by
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from p2p_diloco.protocol.simulation.campaign import Trial, replay, run_trials, summary  # noqa: E402
 from p2p_diloco.protocol.simulation.invariants import INVARIANTS  # noqa: E402
-from p2p_diloco.protocol.simulation.schedule import SCENARIOS, random_schedule  # noqa: E402
+from p2p_diloco.protocol.simulation.schedule import ARRIVALS, SCENARIOS, random_schedule  # noqa: E402
 from p2p_diloco.protocol.simulation.swarm import SimSettings, SimSwarm  # noqa: E402
 
 
@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), help="run one named scenario")
     parser.add_argument("--replay", type=int, help="print one seed's schedule, violations and transcript")
     parser.add_argument("--end", type=float, help="virtual seconds to run (default: the schedule's)")
+    parser.add_argument("--arrival", choices=ARRIVALS, help="how the peers arrive (default: each seed draws it)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     checked = tuple(name for name in args.check.split(",") if name)
@@ -55,10 +56,11 @@ def main() -> None:
         print("\n".join(replay(trial)))
         return
     began = time.monotonic()
-    if args.end is not None:  # a long or large run: its own schedules, in this process
+    if args.end is not None or args.arrival:  # a long or large run: its own schedules, in this process
+        args.end = args.end or random_schedule(0, args.peers).end
         reports = []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
-            schedule = replace(random_schedule(seed, args.peers), end=args.end)
+            schedule = replace(random_schedule(seed, args.peers, arrival=args.arrival), end=args.end)
             reports.append(SimSwarm(seed, schedule, settings, checked).run())
     else:
         trials = [Trial(seed, args.peers, settings, checked)

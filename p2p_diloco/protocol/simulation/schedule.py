@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Optional
 
 from p2p_diloco.protocol.simulation.dht import Faults
 
@@ -46,10 +46,13 @@ class Schedule:
     arrival: str = ""
 
 
-def random_schedule(seed: int, peers: int, quiet_at: float = 90.0, settle_s: float = 110.0) -> Schedule:
-    """The schedule of `seed` for a run of `peers` honest peers (and maybe a liar or a scaler)."""
+def random_schedule(seed: int, peers: int, quiet_at: float = 90.0, settle_s: float = 110.0,
+                    arrival: Optional[str] = None) -> Schedule:
+    """The schedule of `seed` for a run of `peers` honest peers (and maybe a liar or a scaler); `arrival` (one
+    of :data:`ARRIVALS`) fixes how they arrive, else the seed draws it."""
     rng = random.Random(seed)
-    arrival = rng.choice(ARRIVALS)
+    drawn = rng.choice(ARRIVALS)
+    arrival = arrival or drawn
     gap = {"together": 0.0, "1 s apart": 1.0, "2 s apart": 2.0, "minutes apart": 45.0}[arrival]
     plans = []
     for i in range(peers):
