@@ -18,8 +18,8 @@ From these records a peer decides (:func:`p2p_diloco.protocol.plans.plan_round`)
 
 A record that claims a state nobody serves (a failed download found no donor of it), or one that this
 peer does not trust enough to load (:mod:`p2p_diloco.train.state_check`), is set aside until its author
-publishes another state, or until this peer loads that state (:meth:`SwarmProgress.served`): a
-stranger's false claim cannot stall the run. A state that failed the state
+claims another step, until this peer loads that state (:meth:`SwarmProgress.served`), or for 30 s at most
+(:class:`~p2p_diloco.protocol.ledger.TrustLedger`): a stranger's false claim cannot stall the run. A state that failed the state
 check, and every record of an identity that served a malformed or refused state, are ignored for the
 rest of the run (:meth:`SwarmProgress.refuse`).
 """
