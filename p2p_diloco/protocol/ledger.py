@@ -1,7 +1,7 @@
 """What a peer knows of the run's records, and whose word it no longer takes: one owner for both.
 
-:class:`KnownRecords` holds each author's latest record read and when it expires on the DHT (a DHT read can
-miss records: a record seen once stands until it expires or its author replaces it, :func:`merge_seen`).
+:func:`remember` keeps each author's latest record read and when it expires on the DHT (a DHT read can miss
+records: a record seen once stands until it expires or its author replaces it, :func:`merge_seen`).
 :class:`TrustLedger` holds what this peer learnt not to take on trust:
 
 * set-aside claims: a record that claims a state nobody served, or one this peer would not load on so few
@@ -16,6 +16,7 @@ passed in (DHT time for expirations, wall time for ages).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -52,6 +53,12 @@ def without_oldest_expired(seen: Seen, now: float) -> Seen:
     expired = sorted((record.time, peer) for peer, (record, expiration) in seen.items() if expiration <= now)
     dropped = {peer for _, peer in expired[:max(len(expired) - MAX_EXPIRED, 0)]}
     return {peer: held for peer, held in seen.items() if peer not in dropped} if dropped else seen
+
+
+def remember(seen: Seen, read: Iterable[tuple[PeerProgress, float]], now: float) -> Seen:
+    """What a peer knows after a read at `now` (DHT time): every author's latest record, expired ones too (the
+    run's history: :meth:`TrustLedger.history`), at most :data:`MAX_EXPIRED` of those."""
+    return without_oldest_expired(merge_seen(seen, read, now=-math.inf), now)
 
 
 @dataclass

@@ -27,7 +27,6 @@ rest of the run (:meth:`SwarmProgress.refuse`).
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from typing import Callable, Iterator, Optional, Sequence
@@ -37,7 +36,7 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.polling import poll_intervals
 from p2p_diloco.remote_input import warn_once
-from p2p_diloco.protocol.ledger import Seen, TrustLedger, merge_seen, without_oldest_expired
+from p2p_diloco.protocol.ledger import Seen, TrustLedger, merge_seen, remember
 from p2p_diloco.protocol.phases import check_transition
 from p2p_diloco.protocol.view import (
     DIRECT, KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, busy_toward,
@@ -123,7 +122,7 @@ class SwarmProgress:
         with self._merging:  # the training loop, its sync and its reads in the background all fetch
             now = get_dht_time()
             own = [] if self._own is None else [(self._own, now + self._publisher.ttl)]
-            self._seen = without_oldest_expired(merge_seen(self._seen, read + own, now=-math.inf), now)  # history()
+            self._seen = remember(self._seen, read + own, now)
             records, set_aside = self.ledger.split(self._seen, now)
             self.set_aside_records = set_aside
             return records

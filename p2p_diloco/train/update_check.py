@@ -28,6 +28,14 @@ def tensors_norm(tensors: Sequence[torch.Tensor]) -> float:
     return math.sqrt(sum(sum_of_squares(t) for t in tensors))  # a chunk at a time: no float64 copy of a tensor
 
 
+def _norms(update: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+           params: Sequence[torch.Tensor]) -> tuple[float, float, float]:
+    """‖update‖, ‖momentum‖ and ‖params‖ as the limit needs them: θ_global's norm bounds only a fragment's first
+    outer step (b = 0), so it is not computed otherwise (0.0 in its place)."""
+    history = tensors_norm(momentum)
+    return tensors_norm(update), history, tensors_norm(params) if history == 0 else 0.0
+
+
 def checked_mean(mean: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
                  max_growth: float) -> tuple[UpdateVerdict, list[torch.Tensor]]:
     """The verdict on the group's mean `mean` of a fragment (:func:`~p2p_diloco.protocol.update_rule.judge_update`),
@@ -35,7 +43,7 @@ def checked_mean(mean: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
     every peer). `momentum` and `params` are that fragment's outer momentum and θ_global."""
     if max_growth == 0:
         return judge_update(0.0, 0.0, 0.0, 0.0), list(mean)
-    verdict = judge_update(tensors_norm(mean), tensors_norm(momentum), tensors_norm(params), max_growth)
+    verdict = judge_update(*_norms(mean, momentum, params), max_growth)
     if verdict.action == VOID or verdict.scale == 1.0:
         return verdict, list(mean)
     scale = as_float32(verdict.scale)
@@ -50,8 +58,7 @@ def update_rejection(update: Sequence[torch.Tensor], momentum: Sequence[torch.Te
     (:mod:`p2p_diloco.train.state_check`)."""
     if max_growth == 0:
         return None
-    norm, history = tensors_norm(update), tensors_norm(momentum)
-    params_norm = tensors_norm(params)
+    norm, history, params_norm = _norms(update, momentum, params)
     if not exceeds_limit(norm, history, params_norm, max_growth):
         return None
     limit, basis = update_limit(history, params_norm, max_growth)

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from p2p_diloco.protocol.ledger import Seen, TrustLedger, merge_seen, without_oldest_expired
+from p2p_diloco.protocol.ledger import Seen, TrustLedger, remember
 from p2p_diloco.protocol.membership import plan_membership
 from p2p_diloco.protocol.phases import check_transition
 from p2p_diloco.protocol.plans import RoundPlan, behind_alone, plan_averaging, plan_round
@@ -111,7 +111,7 @@ class SimPeer:
 
     def fetch(self) -> dict[str, PeerProgress]:
         read = self.swarm.dht.read(self.peer_id, self.now) + [(self.own, math.inf)]
-        self.seen = without_oldest_expired(merge_seen(self.seen, read, now=-math.inf), self.now)
+        self.seen = remember(self.seen, read, self.now)
         records, self.set_aside_records = self.ledger.split(self.seen, self.now)
         return records
 
