@@ -31,6 +31,12 @@ from p2p_diloco.protocol.simulation.schedule import ARRIVALS, SCENARIOS, random_
 from p2p_diloco.protocol.simulation.swarm import SimSettings, SimSwarm  # noqa: E402
 
 
+def report_progress(done: int, total: int, began: float) -> None:
+    """A line on stderr every tenth of the campaign (a campaign of many peers takes minutes): stdout stays JSON."""
+    if done == total or done % max(1, total // 10) == 0:
+        print(f"{done} of {total} schedules, {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=4, help="honest peers per schedule")
@@ -65,7 +71,7 @@ def main() -> None:
     else:
         trials = [Trial(seed, args.peers, settings, checked)
                   for seed in range(args.first_seed, args.first_seed + args.seeds)]
-        reports = run_trials(trials, args.workers)
+        reports = run_trials(trials, args.workers, progress=lambda done, total: report_progress(done, total, began))
     result = summary(reports)
     result.update(peers=args.peers, update_check=args.update_check, checked=list(checked),
                   seconds=round(time.monotonic() - began, 1))

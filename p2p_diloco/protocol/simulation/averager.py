@@ -13,6 +13,7 @@ real one, on small pseudo-gradients); else void for every survivor, who learn it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -30,6 +31,7 @@ class SimRound:
     opened: float
     parts: dict[str, tuple[torch.Tensor, float]] = field(default_factory=dict)  # member -> (what it sends, claim)
     started: Optional[float] = None
+    ends: float = math.inf  # when its all-reduce, reports and audit are over
     outcome: Optional["RoundOutcome"] = None
 
 
@@ -39,7 +41,6 @@ class RoundOutcome:
     mean: Optional[torch.Tensor]  # None: the round failed (a member was lost)
     known_at: float  # when the members learn it
     failed: tuple[str, ...] = ()  # members lost mid-round
-    claims: dict[str, float] = field(default_factory=dict)
     formed: bool = True  # False: fewer than two members came; nothing moved
 
 
@@ -52,8 +53,6 @@ class SimAverager:
     failure_detection_s: float  # how long the survivors of a round that lost a member wait to know it
     present: Callable[[str, str], bool]  # whether a peer is alive, not frozen, and reachable from another
     rounds: dict[tuple[int, str, str], SimRound] = field(default_factory=dict)
-    started_rounds: int = 0
-    failed_rounds: int = 0
 
     def join(self, peer: str, step: int, sha256: str, leader: str, planned: frozenset[str], part: torch.Tensor,
              claim: float, now: float) -> Optional[SimRound]:
@@ -78,8 +77,6 @@ class SimAverager:
                 found.ends = now
                 found.outcome = RoundOutcome(tuple(found.parts), None, now, formed=False)
                 return
-            self.started_rounds += 1
-            found.outcome = None
             found.ends = now + duration
 
     def outcome(self, found: SimRound, now: float) -> Optional[RoundOutcome]:
@@ -90,11 +87,9 @@ class SimAverager:
             members = tuple(sorted(found.parts))
             lost = tuple(m for m in members if not all(self.present(m, other) for other in members if other != m))
             if lost:
-                self.failed_rounds += 1
                 found.outcome = RoundOutcome(members, None, found.ends + self.failure_detection_s, lost)
             else:
                 parts = [found.parts[m][0] for m in members]
                 claims = [found.parts[m][1] for m in members]
-                found.outcome = RoundOutcome(members, aggregate(parts, claims, self.rule), found.ends,
-                                             claims=dict(zip(members, claims)))
+                found.outcome = RoundOutcome(members, aggregate(parts, claims, self.rule), found.ends)
         return found.outcome

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from p2p_diloco.protocol.simulation.invariants import INVARIANTS
 from p2p_diloco.protocol.simulation.schedule import SCENARIOS, Schedule, describe, random_schedule
@@ -35,13 +35,25 @@ def _run(trial: Trial) -> SimReport:
     return report
 
 
-def run_trials(trials: Sequence[Trial], workers: int = 1) -> list[SimReport]:
-    """Each trial's report, in order; in `workers` processes (the simulation is deterministic either way)."""
+def run_trials(trials: Sequence[Trial], workers: int = 1,
+               progress: Optional[Callable[[int, int], None]] = None) -> list[SimReport]:
+    """Each trial's report, in order; in `workers` processes (the simulation is deterministic either way).
+    `progress(done, total)` is called as reports come in."""
     if workers <= 1 or len(trials) < 2:
-        return [_run(trial) for trial in trials]
+        reports = []
+        for trial in trials:
+            reports.append(_run(trial))
+            if progress is not None:
+                progress(len(reports), len(trials))
+        return reports
     # spawned, not forked: a test process may hold other threads (a DHT's, a logger's) whose locks a fork copies
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        return pool.map(_run, trials, chunksize=max(1, len(trials) // (4 * workers)))
+        reports = []
+        for report in pool.imap(_run, trials, chunksize=max(1, min(8, len(trials) // (4 * workers)))):
+            reports.append(report)
+            if progress is not None:
+                progress(len(reports), len(trials))
+        return reports
 
 
 def summary(reports: Sequence[SimReport]) -> dict:

@@ -35,26 +35,19 @@ from p2p_diloco.protocol.view import (
 )
 
 from p2p_diloco.protocol.simulation.schedule import HONEST, SCALER
+from p2p_diloco.train.catch_up import POLL_S as CATCH_UP_POLL_S  # how often a peer behind the run tries again
 
 CHECK_S = 0.5  # how often a training peer reads whether the round is closing (ROUND_CHECK_PERIOD_S)
 WAIT_POLL_S = 0.5  # how often a ready peer reads whether its groupmates are (wait_for_groupmates)
 SILENT_CHECK_S, SILENT_MISSES = 2.0, 2  # SilentPeers: a busy peer that does not answer twice, 2 s apart, is gone
-BEHIND_POLL_S = 5.0  # catch_up.POLL_S
 ROUND_POLL_S = 0.2  # how often a matching member looks at its round
 LEFT_BEHIND_POLL_S = 1.0  # outer_sync.LEFT_BEHIND_POLL_S
 
 
 @dataclass
 class PeerCounts:
-    applied: int = 0
-    clipped: int = 0
-    void: int = 0
-    failed: int = 0
-    skipped: int = 0
-    alone: int = 0
-    loads: int = 0
-    load_failures: int = 0
-    refusals: int = 0
+    """What the report and the invariants need of a peer's run."""
+
     samples_trained: int = 0
     samples_counted: int = 0
     samples_dropped: int = 0  # by loads: the inner steps θ_local held went with it
@@ -135,7 +128,7 @@ class SimPeer:
                     continue
             if behind_alone(self.outer_step, self.ledger.history(self.seen, self.now), records, self.peer_id):
                 self.log("behind the run with nobody at its step: waiting for its state")
-                yield BEHIND_POLL_S
+                yield CATCH_UP_POLL_S
                 continue
             yield from self.round()
         self.publish(self.outer_step, self.sha256, LEFT)
@@ -150,7 +143,6 @@ class SimPeer:
             chosen, counts = choose_target(records, self.peer_id, self.outer_step, self.sha256, target,
                                            frozenset(self.groupmates - self.ledger.distrusted), self.set_aside_records)
             if chosen is None:
-                self.counts.refusals += 1
                 self.log(f"not loading outer step {target[0]}: {counts}")
                 self.ledger.set_aside(claims, self.now)
                 return False
@@ -160,14 +152,12 @@ class SimPeer:
         yield self.swarm.settings.download_s
         state, donor = self.swarm.serve(target, self)
         if state is None:
-            self.counts.load_failures += 1
             self.publish(self.outer_step, self.sha256, TRAINING)
             self.ledger.set_aside(claims, self.now)
             self.log(f"nobody served outer step {target[0]}")
             return False
         forked = is_verifiable(self.outer_step, state.outer_step) and state.parent != self.sha256
         if forked and not unverified_step_trusted(records, self.peer_id, self.outer_step, self.sha256, target):
-            self.counts.refusals += 1
             self.ledger.refuse(state.sha256, [donor])
             self.publish(self.outer_step, self.sha256, TRAINING)
             self.log(f"refused outer step {state.outer_step}: not a step from its state")
@@ -180,7 +170,6 @@ class SimPeer:
         loaded = how.startswith("loaded")
         self.swarm.invariants.on_adopt(self, state, loaded)
         if loaded:
-            self.counts.loads += 1
             self.counts.samples_dropped += self.held_samples
             self.inner_steps = max(self.inner_steps, state.outer_step * self.swarm.settings.inner_steps)
         self.outer_step, self.sha256 = state.outer_step, state.sha256
@@ -232,28 +221,27 @@ class SimPeer:
         settings = self.swarm.settings
         records = yield from self.wait_for_groupmates(step, sha)
         if any(r.outer_step > step for r in records.values()):
-            return self.not_applied("skipped", "the swarm moved past the step")
+            return "skipped: the swarm moved past the step"
         plan = plan_averaging(records, step, self.peer_id, DIRECT)
         if plan.action == "skip":
-            return self.not_applied("skipped", plan.reason)
+            return f"skipped: {plan.reason}"
         if plan.action == "alone":
-            self.counts.alone += 1
             return self.apply(self.swarm.commit_alone(self, self.sent()), "alone")
         for attempt in range(1, settings.attempts + 1):
             membership = plan_membership(records, step, sha, self.peer_id, DIRECT, self.next_attempt(step))
             outcome = yield from self.average(step, sha, membership)
             if outcome == "left behind":
-                return self.not_applied("skipped", "its group averaged without it")
+                return "skipped: its group averaged without it"
             if outcome is None:
-                return self.not_applied("failed", "no leader took it in")
+                return "failed: no leader took it in"
             if outcome.mean is not None:
                 return self.apply(self.swarm.commit(outcome, step, sha), f"averaged in {len(outcome.members)}")
             if attempt == settings.attempts:
-                return self.not_applied("failed", f"members lost: {outcome.failed}")
+                return f"failed: members lost: {outcome.failed}"
             records = {p: r for p, r in self.fetch().items() if p not in outcome.failed or self.swarm.answers(p)}
             if any(r.outer_step > step for r in records.values()):
-                return self.not_applied("skipped", "attempt failed while the swarm moved on")
-        return self.not_applied("failed", "no attempt left")
+                return "skipped: attempt failed while the swarm moved on"
+        return "failed: no attempt left"
 
     def wait_for_groupmates(self, step: int, sha: str):
         deadline = self.now + self.swarm.settings.round_wait_timeout
@@ -314,20 +302,13 @@ class SimPeer:
     def apply(self, committed, how: str) -> str:
         verdict, state, members = committed
         if state is None:
-            self.counts.void += 1
             self.counts.void_streak += 1
             self.counts.longest_void_streak = max(self.counts.longest_void_streak, self.counts.void_streak)
             self.swarm.invariants.on_void(self)
-            return self.not_applied("void", verdict.reason, count=False)
-        self.counts.applied += 1
-        self.counts.clipped += verdict.action == "clipped"
+            return f"void: {verdict.reason}"
         self.counts.void_streak = 0
         self.counts.samples_counted += self.held_samples
         self.groupmates.update(m for m in members if m != self.peer_id)
         self.adopt(state, how)
         return how
 
-    def not_applied(self, what: str, why: str, count: bool = True) -> str:
-        if count:
-            setattr(self.counts, what, getattr(self.counts, what) + 1)
-        return f"{what}: {why}"

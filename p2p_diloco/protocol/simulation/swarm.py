@@ -96,6 +96,7 @@ class SimSwarm:
         self.committed_at: dict[int, set[str]] = {}  # outer step -> states honest peers committed there
         self._committed: dict[int, tuple] = {}  # id(round outcome) -> what its members apply
         self._serial = 0
+        self._join_at = {plan.peer_id: plan.join_at for plan in schedule.peers}
         self.peers: dict[str, SimPeer] = {}
         self.tasks: dict[str, Task] = {}
         for plan in schedule.peers:
@@ -115,10 +116,8 @@ class SimSwarm:
     # ----- the network ----------------------------------------------------------------------------
     def alive(self, peer_id: str) -> bool:
         task = self.tasks.get(peer_id)
-        return task is not None and not task.crashed and not task.done and self.loop.now >= self._join_at(peer_id)
-
-    def _join_at(self, peer_id: str) -> float:
-        return next(p.join_at for p in self.schedule.peers if p.peer_id == peer_id)
+        return (task is not None and not task.crashed and not task.done
+                and self.loop.now >= self._join_at[peer_id])
 
     def answers(self, peer_id: str) -> bool:
         """Whether `peer_id` answers on the network (alive and not frozen)."""
