@@ -6,9 +6,8 @@ import pytest
 
 from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.protocol.plans import agreed_sha256, plan_averaging, plan_round
-from p2p_diloco.swarm.progress import (
-    LEFT, LOADING, READY, TRAINING, PeerProgress, SilentPeers, merge_seen, parse_progress,
-)
+from p2p_diloco.protocol.ledger import merge_seen
+from p2p_diloco.swarm.progress import LEFT, LOADING, READY, TRAINING, PeerProgress, SilentPeers, parse_progress
 from p2p_diloco.swarm.reachability import DIRECT, UNREACHABLE
 from p2p_diloco.sync.assistant import RoundsToAssist, step_needing_help
 

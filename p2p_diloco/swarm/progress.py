@@ -36,7 +36,7 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.polling import poll_intervals
 from p2p_diloco.remote_input import warn_once
-from p2p_diloco.protocol.ledger import Seen, TrustLedger, merge_seen, remember
+from p2p_diloco.protocol.ledger import Seen, TrustLedger, remember
 from p2p_diloco.protocol.phases import check_transition
 from p2p_diloco.protocol.view import (
     DIRECT, KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, busy_toward,
@@ -46,7 +46,7 @@ from p2p_diloco.swarm.records import ProgressValue, RecordPublisher, progress_ke
 logger = logging.getLogger(__name__)
 
 __all__ = ["TRAINING", "READY", "LOADING", "KEEPING", "LEFT", "PeerProgress", "RunHistory", "SwarmProgress",
-           "read_progress", "merge_seen"]
+           "read_progress"]
 
 
 def parse_progress(subkey: object, value: object, fingerprint: str) -> Optional[PeerProgress]:
@@ -116,7 +116,7 @@ class SwarmProgress:
     def fetch(self) -> dict[str, PeerProgress]:
         """Live records of this run's peers, this one included (peers that left are omitted, and so are
         claims of a state that nobody served). A record read before stands until it expires, though this
-        read missed it (:func:`merge_seen`). This peer's own is the one it published last, which its
+        read missed it (:func:`~p2p_diloco.protocol.ledger.merge_seen`). This peer's own is the one it published last, which its
         background store may not have put on the DHT yet: the training loop never waits for a store."""
         read = list(_read_expiring(self.dht, self.key, self.fingerprint))
         with self._merging:  # the training loop, its sync and its reads in the background all fetch
