@@ -31,9 +31,9 @@ def tensors_norm(tensors: Sequence[torch.Tensor]) -> float:
 def _norms(update: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
            params: Sequence[torch.Tensor]) -> tuple[float, float, float]:
     """‖update‖, ‖momentum‖ and ‖params‖ as the limit needs them: θ_global's norm bounds only a fragment's first
-    outer step (b = 0), so it is not computed otherwise (0.0 in its place)."""
+    outer step (‖b‖ not > 0: update_limit's test), so it is not computed otherwise (0.0 in its place)."""
     history = tensors_norm(momentum)
-    return tensors_norm(update), history, tensors_norm(params) if history == 0 else 0.0
+    return tensors_norm(update), history, 0.0 if history > 0 else tensors_norm(params)
 
 
 def checked_mean(mean: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
