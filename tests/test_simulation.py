@@ -3,7 +3,7 @@ named scenarios, and the stall at outer step 2 (issue 42)."""
 
 import pytest
 
-from p2p_diloco.protocol.simulation import peer as sim_peer
+from p2p_diloco.protocol import decide
 from p2p_diloco.protocol.simulation.campaign import Trial, replay, run_trials, summary
 from p2p_diloco.protocol.simulation.invariants import ALONE_AHEAD, LIVENESS, ONE_STATE, UNCOMMITTED_LOAD, VOID_TRAP
 from p2p_diloco.protocol.simulation.schedule import SCENARIOS
@@ -73,5 +73,5 @@ def test_the_invariants_catch_a_broken_rule(monkeypatch):
     behind by a run that then left takes the run's steps alone: the simulation says so."""
     trial = Trial(0, 0, checked=(ALONE_AHEAD, ONE_STATE), scenario="left_behind_after_the_run_left")
     assert not trial.run().violations
-    monkeypatch.setattr(sim_peer, "behind_alone", lambda *args: False)
+    monkeypatch.setattr(decide, "behind_alone", lambda *args: False)
     assert trial.run().violations

@@ -11,5 +11,8 @@ read, its own state and the time, and returns a decision with its reason. The dr
 * :mod:`~p2p_diloco.protocol.plans`: the decisions: load or train (:func:`~p2p_diloco.protocol.plans.plan_round`),
   whether to wait for the run's state, and with whom to average;
 * :mod:`~p2p_diloco.protocol.trust`: whose word a state above this peer's is taken on;
+* :mod:`~p2p_diloco.protocol.decide`: the move before a round, from all of the above: load a state, wait for the
+  run's state, or train (:func:`~p2p_diloco.protocol.decide.next_move`), for the real peer, the keeper and the
+  simulation alike;
 * :mod:`~p2p_diloco.protocol.update_rule`: whether a round's mean is applied, clipped or void.
 """

@@ -3,9 +3,10 @@ with Streaming DiLoCo's fragments and overlap (arXiv 2501.18512) as options.
 
 Each round, toward outer step t + 1:
 
-1. read the swarm's progress (:func:`~p2p_diloco.protocol.plans.plan_round`): a peer that is behind
-   or holds a θ_global the swarm does not agree on downloads the agreed state first, checked against
-   its own before it replaces it (:mod:`~p2p_diloco.train.state_check`);
+1. read the swarm's progress and decide (:func:`~p2p_diloco.protocol.decide.next_move`): a peer that is
+   behind or holds a θ_global the swarm does not agree on downloads the agreed state first, checked against
+   its own before it replaces it (:mod:`~p2p_diloco.train.state_check`); one behind the run with nobody at
+   its step waits for the run's state (:mod:`~p2p_diloco.train.catch_up`);
 2. H/P inner AdamW steps (:class:`~p2p_diloco.train.inner.InnerTrainer`; P = ``outer.fragments``,
    1 by default), those run while the last round's sync was in flight included;
 3. the pseudo-gradient of fragment t mod P (:mod:`p2p_diloco.train.fragments`; with P = 1, the
@@ -35,7 +36,6 @@ residual) :class:`~p2p_diloco.train.local_work.LocalWork`; which fragment syncs 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import itertools
 import logging
@@ -53,11 +53,12 @@ from p2p_diloco.schedule import FragmentSchedule
 from p2p_diloco.swarm.liveness import answering
 from p2p_diloco.swarm.node import RunNode
 from p2p_diloco.swarm.reachability import DIRECT
-from p2p_diloco.protocol.plans import RoundPlan, behind_alone, plan_round
-from p2p_diloco.protocol.trust import choose_target, is_verifiable, unverified_step_trusted
+from p2p_diloco.protocol.decide import LOAD, WAIT, Move, next_move
+from p2p_diloco.protocol.plans import RoundPlan
+from p2p_diloco.protocol.trust import is_verifiable, unverified_step_trusted
 from p2p_diloco.protocol.update_rule import CLIPPED, VOID
 from p2p_diloco.protocol.view import (
-    KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, averages, keepers, vouchers,
+    KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, averages, keepers,
 )
 from p2p_diloco.swarm.progress import SwarmProgress
 from p2p_diloco.swarm.records import RecordPublisher, assistance_key
@@ -298,11 +299,15 @@ class DiLoCoPeer:
                 if max_outer_steps is not None and self.global_model.outer_step >= max_outer_steps:
                     break
                 records = self._records_for_plan()
-                plan = plan_round(records, self.global_model.outer_step, self.sha256)
-                if plan.action == "load" and self._load_from_peers(plan, records):
+                move = self._next_move(records)
+                if move.action == LOAD:
+                    if self._load_from_peers(move.load, records):
+                        continue
+                    move = self._next_move(records, may_load=False)
+                if move.action == WAIT:
+                    self._wait_for_state(move)
                     continue
-                if self._behind_without_state(records):
-                    continue
+                self.catch_up.reset()  # it has company at its step, or the run is not ahead
                 self._round()
         finally:
             self._leave()
@@ -317,8 +322,8 @@ class DiLoCoPeer:
             self._join()
             while not self._stopping():
                 records = self.progress.fetch()
-                plan = plan_round(records, self.global_model.outer_step, self.sha256)
-                if plan.action == "load" and self._load_from_peers(plan, records):
+                move = self._next_move(records)  # only a load concerns a keeper: it never trains
+                if move.action == LOAD and self._load_from_peers(move.load, records):
                     if self.store_writer is not None:
                         self.store_writer.after_step(self.global_model.outer_step, self.sha256,
                                                      self.inner.steps_done, self._state_snapshot)
@@ -616,30 +621,28 @@ class DiLoCoPeer:
         self._evaluate_global()
 
     # ----- catching up ----------------------------------------------------------------------------
-    def _trusted_plan(self, plan: RoundPlan, records: dict[str, PeerProgress]) -> Optional[RoundPlan]:
-        """The plan, or one for the best-vouched state above this peer's step, if the records trust it enough
-        to load (:func:`p2p_diloco.protocol.trust.choose_target`); None if no state above is trusted."""
+    def _next_move(self, records: dict[str, PeerProgress], may_load: bool = True) -> Move:
+        """This peer's move before its next round (:func:`p2p_diloco.protocol.decide.next_move`) from `records` and
+        what its ledger holds now; a jump it declines is said, and its claims set aside."""
+        move = next_move(records, self.progress.set_aside_records, self.peer_id, self.global_model.outer_step,
+                         self.sha256, self.progress.history(), frozenset(self.groupmates - self.distrusted_donors),
+                         may_load)
+        if move.declined is not None:
+            self._decline_jump(move.declined, move.vouch_counts)
+        return move
+
+    def _decline_jump(self, plan: RoundPlan, counts: str) -> None:
+        """A jump to `plan`'s state that the records do not trust enough (`counts`, the vouchers counted): said,
+        written to the metrics, and its claims set aside until their authors move on."""
         step = self.global_model.outer_step
-        if plan.target_step <= step:  # a state at this peer's own step: the plan's vote decides
-            return plan
-        target, counts = choose_target(records, self.peer_id, step, self.sha256, (plan.target_step, plan.target_sha256),
-                                       frozenset(self.groupmates - self.distrusted_donors),
-                                       self.progress.set_aside_records)
-        if target is None:
-            logger.warning("not loading outer step %d (%s): a jump of %d outer steps is taken only on at least as many "
-                           "vouchers as this peer's own state has, and more than the other claims above it; %s; "
-                           "training on from outer step %d, and trying again when its claimants move on", plan.target_step, plan.target_sha256[:12],
-                           plan.target_step - step, counts, step)
-            self.metrics.write(STATE_REFUSED, outer_step=step, target_step=plan.target_step,
-                               target_sha256=plan.target_sha256, claimed_by=sorted(plan.claims or {}),
-                               reason=f"unverified jump: {counts}")
-            self.progress.set_aside(plan.claims or {}, "this peer does not take that jump on so few vouchers")
-            return None
-        if target == (plan.target_step, plan.target_sha256):
-            return plan
-        claims = {peer: target for peer in vouchers(records, *target)}
-        return dataclasses.replace(plan, target_step=target[0], target_sha256=target[1], claims=claims,
-                                   reason=f"{plan.reason}; the best-vouched state above it: outer step {target[0]}")
+        logger.warning("not loading outer step %d (%s): a jump of %d outer steps is taken only on at least as many "
+                       "vouchers as this peer's own state has, and more than the other claims above it; %s; "
+                       "training on from outer step %d, and trying again when its claimants move on", plan.target_step,
+                       plan.target_sha256[:12], plan.target_step - step, counts, step)
+        self.metrics.write(STATE_REFUSED, outer_step=step, target_step=plan.target_step,
+                           target_sha256=plan.target_sha256, claimed_by=sorted(plan.claims or {}),
+                           reason=f"unverified jump: {counts}")
+        self.progress.set_aside(plan.claims or {}, "this peer does not take that jump on so few vouchers")
 
     def _step_refusal(self, state: GlobalState, records: dict[str, PeerProgress]) -> Optional[str]:
         """Why a downloaded state one step ahead must not replace this peer's, or None if it may: it is
@@ -674,11 +677,9 @@ class DiLoCoPeer:
                            reason=problem, failed_donors=failures)
 
     def _load_from_peers(self, plan: RoundPlan, records: dict[str, PeerProgress]) -> bool:
-        """Download the state `plan` targets, check it (p2p_diloco.train.state_check) and adopt it; False, and
-        this peer trains on from its own state, when none is trusted, downloaded or passes the check."""
-        plan = self._trusted_plan(plan, records)
-        if plan is None:
-            return False
+        """Download the state `plan` targets (one the records trust: :meth:`_next_move`), check it
+        (p2p_diloco.train.state_check) and adopt it; False, and this peer stays at its own state, when it is not
+        downloaded or fails the check."""
         logger.info("loading global state from peers: %s", plan.reason)
         if self.keeper:  # nobody waits for a keeper: it keeps the state it has until the new one is checked
             self.progress.publish(self.global_model.outer_step, self.sha256, KEEPING)
@@ -762,23 +763,15 @@ class DiLoCoPeer:
                     source="store", donor=stored.source)
         return True
 
-    def _behind_without_state(self, records: dict[str, PeerProgress]) -> bool:
-        """True, after a pause, while the run is ahead of this peer, no other live peer is at its step and
-        nothing served the run's state: this peer must not train (:mod:`p2p_diloco.train.catch_up`); it
-        tries the checkpoint store, if the run has one, and the peers again at the next plan. Raises
-        NoStateSource once that has lasted ``swarm.state_wait_timeout``."""
-        step = self.global_model.outer_step
-        history = self.progress.history()
-        if not behind_alone(step, history, records, self.peer_id):
+    def _wait_for_state(self, move: Move) -> None:
+        """One wait of a peer behind the run with nobody at its step (`move`): it must not train
+        (:mod:`p2p_diloco.train.catch_up`); it tries the checkpoint store, if the run has one, and the peers again
+        at the next move. Raises NoStateSource once that has lasted ``swarm.state_wait_timeout``."""
+        if self.store is not None and self._load_from_store(move.reason):
             self.catch_up.reset()
-            return False
-        reason = f"the run is at outer step {history.outer_step} and no peer served its state"
-        if self.store is not None and self._load_from_store(reason):
-            self.catch_up.reset()
-            return True
-        self.catch_up.wait(step, history, self.cfg.swarm.checkpoint_store)
+            return
+        self.catch_up.wait(self.global_model.outer_step, move.history, self.cfg.swarm.checkpoint_store)
         self.stop_event.wait(POLL_S)
-        return True
 
     # ----- checkpoints ----------------------------------------------------------------------------
     def _stored(self, outer_step: int) -> None:

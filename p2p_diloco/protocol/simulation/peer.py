@@ -2,10 +2,10 @@
 
 Each round, as a real peer runs it (``outer.sync_delay`` = 0, one fragment, DiLoCo's copy θ_local ← θ_global):
 
-1. read the records and plan (:func:`~p2p_diloco.protocol.plans.plan_round`); a load is trusted or not
-   (:func:`~p2p_diloco.protocol.trust.choose_target`), downloaded from a peer that holds the state, checked
-   (one step ahead: a step from this peer's state, else :func:`~p2p_diloco.protocol.trust.unverified_step_trusted`);
-2. behind the run with nobody to average with (:func:`~p2p_diloco.protocol.plans.behind_alone`): wait, never train;
+1. read the records and decide (:func:`~p2p_diloco.protocol.decide.next_move`, as the real peer does): a load
+   the records trust is downloaded from a peer that holds the state, checked (one step ahead: a step from this
+   peer's state, else :func:`~p2p_diloco.protocol.trust.unverified_step_trusted`);
+2. behind the run with nobody to average with: wait for the run's state, never train;
 3. inner steps, until H or until another peer is ready (:func:`~p2p_diloco.protocol.view.round_closing`), then
    ready; wait for the busy groupmates (:func:`~p2p_diloco.protocol.view.busy_toward`, bounded, silent peers
    dropped); skip, go alone or average (:func:`~p2p_diloco.protocol.plans.plan_averaging`) in the group the
@@ -25,13 +25,14 @@ from typing import Any, Optional
 
 import torch
 
+from p2p_diloco.protocol.decide import LOAD, WAIT, Move, next_move
 from p2p_diloco.protocol.ledger import Seen, TrustLedger, remember
 from p2p_diloco.protocol.membership import plan_membership
 from p2p_diloco.protocol.phases import check_transition
-from p2p_diloco.protocol.plans import RoundPlan, behind_alone, plan_averaging, plan_round
-from p2p_diloco.protocol.trust import choose_target, is_verifiable, unverified_step_trusted
+from p2p_diloco.protocol.plans import RoundPlan, plan_averaging
+from p2p_diloco.protocol.trust import is_verifiable, unverified_step_trusted
 from p2p_diloco.protocol.view import (
-    DIRECT, LEFT, LOADING, READY, TRAINING, PeerProgress, busy_toward, round_closing, vouchers, went_on_without,
+    DIRECT, LEFT, LOADING, READY, TRAINING, PeerProgress, busy_toward, round_closing, went_on_without,
 )
 
 from p2p_diloco.protocol.simulation.schedule import HONEST, SCALER
@@ -121,13 +122,14 @@ class SimPeer:
         self.log("joined")
         while self.now < self.leave_at:
             records = self.fetch()
-            plan = plan_round(records, self.outer_step, self.sha256)
-            if plan.action == "load":
-                loaded = yield from self.load(plan, records)
+            move = self.next_move(records)
+            if move.action == LOAD:
+                loaded = yield from self.load(move.load, records)
                 if loaded:
                     continue
-            if behind_alone(self.outer_step, self.ledger.history(self.seen, self.now), records, self.peer_id):
-                self.log("behind the run with nobody at its step: waiting for its state")
+                move = self.next_move(records, may_load=False)
+            if move.action == WAIT:
+                self.log(f"waiting for the run's state: {move.reason}")
                 yield CATCH_UP_POLL_S
                 continue
             yield from self.round()
@@ -136,18 +138,21 @@ class SimPeer:
         self.left = True
         self.log("left")
 
+    def next_move(self, records: dict[str, PeerProgress], may_load: bool = True) -> Move:
+        """The move before its next round (:func:`~p2p_diloco.protocol.decide.next_move`), from `records` and what
+        its ledger holds now; a jump it declines has its claims set aside."""
+        move = next_move(records, self.set_aside_records, self.peer_id, self.outer_step, self.sha256,
+                         self.ledger.history(self.seen, self.now), frozenset(self.groupmates - self.ledger.distrusted),
+                         may_load)
+        if move.declined is not None:
+            self.log(f"not loading outer step {move.declined.target_step}: {move.vouch_counts}")
+            self.ledger.set_aside(dict(move.declined.claims or {}), self.now)
+        return move
+
     # ----- loading ------------------------------------------------------------------------------
     def load(self, plan: RoundPlan, records: dict[str, PeerProgress]):
+        """Download the state `plan` targets (one :func:`next_move` trusts) and adopt it, if it passes the check."""
         target, claims = (plan.target_step, plan.target_sha256), dict(plan.claims or {})
-        if plan.target_step > self.outer_step:
-            chosen, counts = choose_target(records, self.peer_id, self.outer_step, self.sha256, target,
-                                           frozenset(self.groupmates - self.ledger.distrusted), self.set_aside_records)
-            if chosen is None:
-                self.log(f"not loading outer step {target[0]}: {counts}")
-                self.ledger.set_aside(claims, self.now)
-                return False
-            if chosen != target:
-                target, claims = chosen, {peer: chosen for peer in vouchers(records, *chosen)}
         self.publish(target[0], self.sha256, LOADING)
         yield self.swarm.settings.download_s
         state, donor = self.swarm.serve(target, self)
