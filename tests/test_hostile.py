@@ -45,15 +45,22 @@ def keeps_stepping(processes, metrics, steps=3):
     assert all(p.poll() is None for p in honest), [(p.name, p.returncode) for p in honest]
 
 
-def test_malformed_forged_and_lying_records_are_ignored(processes, tmp_path):
+def test_malformed_forged_and_lying_records_are_ignored_and_malformed_group_data_bans_its_sender(processes, tmp_path):
+    """Two strangers in one swarm (to keep CI short; neither changes what the other is judged on): one writes
+    malformed, forged and lying records, the other joins groups with malformed metadata or parts."""
     maddr, config, metrics = swarm(processes, tmp_path, 3)
     wait_for_steps(metrics, 1)
     start_hostile(processes, "records", config, maddr)
+    # 4 identities in the swarm at a time (each still for 10 s): the 7 kinds in 2 turns, not 4 of 2 lanes
+    groupmate = start_hostile(processes, "groupmate", config, maddr, "--seconds-per-identity", "10", "--lanes", "4")
     wait_until(lambda: printed(processes, "hostile-records", r"(wrote records)"), 120, "the hostile records")
     (author,) = printed(processes, "hostile-records", r"records signed as (\w+)")
+    wait_until(lambda: groupmate.poll() is not None, 300, "the hostile groupmate to try every kind of input")
+    identities = dict(printed(processes, "hostile-groupmate", r"identity (\w+) sends (.+)"))
+    assert sorted(identities.values()) == sorted(GROUPMATE_VARIANTS)
     keeps_stepping(processes, metrics)
     logs = honest_logs(processes, 3)
-    # refused by the DHT validators of the honest nodes, each logged once with its author
+    # the records: refused by the DHT validators of the honest nodes, each logged once with its author
     assert f"ignoring a malformed test_progress record from peer {author}" in logs
     assert "that it did not sign" in logs  # the record under another peer's key
     # well-formed and signed, but not this run's settings, or a claim that no donor could serve
@@ -66,6 +73,13 @@ def test_malformed_forged_and_lying_records_are_ignored(processes, tmp_path):
     (run,) = json.loads(result.stdout)["runs"]  # the malformed run announcement is no run
     assert run["run"] == "test" and {p["peer_id"] for p in run["peers"]} == {peer_id_of(m) for m in metrics}
     assert f"ignoring a malformed status record from peer {author}" in result.stderr
+    # the groupmate: each kind of malformed input bans the identity that sent it
+    banned = {kind for peer, kind in identities.items()
+              if re.search(f"ignoring (malformed group metadata|a malformed all-reduce part|a malformed averaged "
+                           f"part) from peer {peer}", logs)}
+    assert len(banned) >= len(GROUPMATE_VARIANTS) // 2, f"the honest peers met only {banned}"
+    for path in metrics:  # no round ever counted the hostile peer
+        assert all(r["group_size"] <= 3 for r in outer_steps(path))
 
 
 def test_malformed_and_poisoned_states_from_a_donor_are_refused(processes, tmp_path):
@@ -123,22 +137,3 @@ def test_malformed_and_poisoned_states_from_a_donor_are_refused(processes, tmp_p
     keeps_stepping(processes, [*metrics, *joiners], steps=2)
     for path in [*metrics, *joiners]:
         assert poisoned not in {r.get("global_sha256") for r in read_metrics(path)}, f"{path.name} took the poison"
-
-
-def test_malformed_group_metadata_or_parts_ban_the_sender(processes, tmp_path):
-    maddr, config, metrics = swarm(processes, tmp_path, 3)
-    wait_for_steps(metrics, 1)
-    # 4 identities in the swarm at a time (each still for 10 s): the 7 kinds in 2 turns, not 4 of 2 lanes
-    hostile = start_hostile(processes, "groupmate", config, maddr, "--seconds-per-identity", "10",
-                            "--lanes", "4")
-    wait_until(lambda: hostile.poll() is not None, 300, "the hostile groupmate to try every kind of input")
-    identities = dict(printed(processes, "hostile-groupmate", r"identity (\w+) sends (.+)"))
-    assert sorted(identities.values()) == sorted(GROUPMATE_VARIANTS)
-    keeps_stepping(processes, metrics)
-    logs = honest_logs(processes, 3)
-    banned = {kind for peer, kind in identities.items()
-              if re.search(f"ignoring (malformed group metadata|a malformed all-reduce part|a malformed averaged "
-                           f"part) from peer {peer}", logs)}
-    assert len(banned) >= len(GROUPMATE_VARIANTS) // 2, f"the honest peers met only {banned}"
-    for path in metrics:  # no round ever counted the hostile peer
-        assert all(r["group_size"] <= 3 for r in outer_steps(path))

@@ -6,6 +6,8 @@ connection from outside that the home did not open. Assertions read the metrics 
 took part in the outer steps, with one global state per step, and no peer took a step alone.
 """
 
+import re
+
 import pytest
 
 from p2p_diloco.metrics import read_metrics
@@ -58,6 +60,7 @@ def wait_for_exit(processes, names, timeout_s=300):
     assert [p.returncode for p in procs] == [0] * len(procs), [processes.log(name)[-2000:] for name in names]
 
 
+@pytest.mark.long  # the keeper's test below has every peer behind NAT too, and checks the same
 def test_the_bootstrap_node_reduces_when_every_peer_is_natted(processes, tmp_path, topology):
     _, _, peers = start_swarm(processes, tmp_path, topology, public=0, homes=3, steps=4)
     wait_for_exit(processes, list(peers))
@@ -66,6 +69,7 @@ def test_the_bootstrap_node_reduces_when_every_peer_is_natted(processes, tmp_pat
     assert "reduced outer step 4 for 3 unreachable peer(s)" in processes.log("bootstrap")
 
 
+@pytest.mark.long
 def test_natted_peer_killed_mid_allreduce(processes, tmp_path, topology):
     # home1, a client, pauses after the first part it sends in its second all-reduce: the kill lands there
     _, _, peers = start_swarm(processes, tmp_path, topology, public=2, homes=2,
@@ -100,14 +104,18 @@ def test_a_natted_joiner_loads_the_state_and_one_public_peer_reduces_for_two_nat
 
 
 def test_the_keeper_follows_a_run_nobody_can_dial_and_serves_a_natted_joiner(processes, tmp_path, topology):
-    """Every peer behind NAT, so none serves its state: the bootstrap node's keeper (--keep) gets each step
-    pushed by the first of them (they dial it), and a NATed joiner loads the run's state from it."""
+    """Every peer behind NAT, so none serves its state and none can reduce: the bootstrap node reduces for them
+    (it assists), its keeper (--keep) gets each step pushed by the first of them (they dial it), and a NATed
+    joiner loads the run's state from it."""
     config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS)
     maddr = start_bootstrap(processes, topology.add_public("bootstrap"), "--keep", str(config))
     homes = [topology.add_home(f"home{i}") for i in range(2)]
     peers = [start_peer(processes, host.name, config, maddr, "--wait-for-peers", "2", host=host,
                         faults="inner_step_delay=0.2") for host in homes]
     wait_for_steps(peers, 2)
+    assert all(reachability(m) == "unreachable" for m in peers)
+    assert all(r["group_size"] == 2 for m in peers for r in outer_steps(m)), [outer_steps(m) for m in peers]
+    assert re.search(r"reduced outer step \d+ for", processes.log("bootstrap"))
     assert "pushed outer step" in processes.log("home0") + processes.log("home1")
     late = start_peer(processes, "late", config, maddr, host=topology.add_home("late"))
     wait_until(lambda: len(outer_steps(late)) >= 1, 240, "an outer step of the joiner")
