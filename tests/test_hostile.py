@@ -86,10 +86,11 @@ def test_malformed_and_poisoned_states_from_a_donor_are_refused(processes, tmp_p
     """One swarm for eight hostile donors: seven serve one malformed or unvouched state each, the eighth a
     well-formed poisoned state it claims one step ahead of the swarm (p2p_diloco/train/state_check.py)."""
     maddr, config, metrics = swarm(processes, tmp_path, 2)
-    # the seven start with the swarm (they claim no outer step: a peer only asks them when it loads the state)
+    # the seven start with the swarm (they claim no outer step: a peer only asks them when it loads the state), and
+    # so does the eighth, which keeps its claim one step ahead of the honest peers from their first step on
     hostile = start_hostile(processes, "donor", config, maddr)
-    wait_for_steps(metrics, 2)
     start_hostile(processes, "poisoned-donor", config, maddr)
+    wait_for_steps(metrics, 2)
     wait_until(lambda: printed(processes, "hostile-donor", r"(donors ready)"), 120, "the hostile donors")
     donors = dict(printed(processes, "hostile-donor", r"donor of (.+) ready as (\w+)"))  # state -> its donor
     assert sorted(donors) == sorted(STATE_VARIANTS)
