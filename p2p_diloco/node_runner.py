@@ -106,16 +106,16 @@ def _prepare_keeper(config_path: str, peer_id: str, eval_sequences: Optional[int
 
 
 def _start_keeper(prepared, dht, identity, stop) -> threading.Thread:
-    """Run the keeper of a run (:meth:`p2p_diloco.train.diloco.DiLoCoPeer.keep`) on the bootstrap node's own
+    """Run the keeper of a run (:meth:`p2p_diloco.train.keeper.Keeper.keep`) on the bootstrap node's own
     DHT node and identity, in a thread, until `stop`."""
     from p2p_diloco.config import settings_fingerprint
     from p2p_diloco.swarm.node import RunNode
     from p2p_diloco.swarm.reachability import DIRECT, Reachability
-    from p2p_diloco.train.diloco import DiLoCoPeer
+    from p2p_diloco.train.keeper import Keeper
 
     cfg, model, settings, peer_data, heldout = prepared
     node = RunNode(dht, identity, Reachability(DIRECT, "the bootstrap node: peers dial it"))
-    keeper = DiLoCoPeer(cfg, model, peer_data, node, settings, stop_event=stop, keeper=True, heldout=heldout)
+    keeper = Keeper(cfg, model, peer_data, node, settings, stop_event=stop, heldout=heldout)
     logger.info("keeping the state of run %r (settings fingerprint %s)%s", cfg.run.name,
                 settings_fingerprint(settings)[:16],
                 f", written to {cfg.swarm.checkpoint_store} every {cfg.swarm.checkpoint_every} outer steps"

@@ -330,7 +330,7 @@ class TextData:
         return ShuffledBatches(self.train, batch_size, order_seed, state["position"] if state else 0)
 
     def for_peer(self, batch_size: int, order_seed: int) -> "PeerStreams":
-        """What a DiLoCo peer opens its stream from (:class:`p2p_diloco.train.diloco.PeerData`)."""
+        """What a DiLoCo peer opens its stream from (:class:`p2p_diloco.train.member.PeerData`)."""
         return PeerStreams(self, batch_size, order_seed)
 
 

@@ -400,7 +400,7 @@ def follow(island: Island, model: torch.nn.Module, trainer, data) -> str:
     """A rank other than 0: do what rank 0 says until it says stop; returns its reason.
 
     `trainer` is this rank's :class:`~p2p_diloco.train.inner.InnerTrainer` over the prepared `model`, `data`
-    the peer's :class:`~p2p_diloco.train.diloco.PeerData` (built with rank 0's order seed).
+    the peer's :class:`~p2p_diloco.train.member.PeerData` (built with rank 0's order seed).
     """
     params = trainable_parameters(model)
     while True:

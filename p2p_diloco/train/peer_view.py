@@ -18,11 +18,12 @@ from p2p_diloco.swarm.status import StatusPublisher
 class PeerView:
     """The status record and the optional `display` of one peer; `tokens_per_sample` is ``data.seq_len``."""
 
-    def __init__(self, status: StatusPublisher, display: Any = None, tokens_per_sample: int = 1, keeper: bool = False):
+    def __init__(self, status: StatusPublisher, display: Any = None, tokens_per_sample: int = 1,
+                 idle_phase: str = peer_status.TRAINING):
         self.status = status
         self.display = display
         self.tokens_per_sample = tokens_per_sample
-        self.idle_phase = peer_status.KEEPING if keeper else peer_status.TRAINING  # a keeper never trains
+        self.idle_phase = idle_phase  # between rounds: training, or a keeper's keeping (it never trains)
         self.samples = 0  # in the outer steps this peer applied with its group
         self.rounds = 0  # of those, the ones averaged with others
         self._traffic_seen = 0  # the all-reduce bytes counted in an earlier outer step

@@ -1,0 +1,494 @@
+"""What a member of a run holds, whether it trains (:class:`~p2p_diloco.train.diloco.DiLoCoPeer`) or keeps the
+run's state (:class:`~p2p_diloco.train.keeper.Keeper`): θ_global and what it lives in, its records on the DHT, the
+averager that serves its state to joiners, the run's checkpoint store; its joining and its leaving.
+
+Each piece of state has one owner: θ_global, its momentum and its hash :class:`~p2p_diloco.train.outer.GlobalModel`;
+θ_local and what it holds beyond θ_global (unsynced samples, steps run ahead, the error-feedback residual)
+:class:`~p2p_diloco.train.local_work.LocalWork`; which fragment syncs when :class:`~p2p_diloco.schedule.FragmentSchedule`;
+what others and the user see :class:`~p2p_diloco.train.peer_view.PeerView`. Both roles load the run's state the same
+way and checkpoint it the same way; a role says what differs: its phase between loads, and the hooks it
+overrides.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from typing import Any, Iterator, Optional, Protocol, Sequence
+
+import torch
+
+from p2p_diloco.config import Config, settings_fingerprint
+from p2p_diloco.metrics import MetricsWriter
+from p2p_diloco.protocol.decide import Move, next_move
+from p2p_diloco.protocol.plans import RoundPlan
+from p2p_diloco.protocol.trust import is_verifiable, unverified_step_trusted
+from p2p_diloco.protocol.view import LEFT, LOADING, TRAINING, PeerProgress, averages
+from p2p_diloco.schedule import FragmentSchedule
+from p2p_diloco.swarm.liveness import answering
+from p2p_diloco.swarm.node import RunNode
+from p2p_diloco.swarm.progress import SwarmProgress
+from p2p_diloco.swarm.records import RecordPublisher, assistance_key
+from p2p_diloco.swarm.status import StatusPublisher
+from p2p_diloco.sync.outer_sync import OuterSync
+from p2p_diloco.sync.robust import aggregation_rule
+from p2p_diloco.sync.state_store import StateStore, StoreError, StoreWriter
+from p2p_diloco.sync.state_transfer import GlobalState, StateExpectation, download_global_state, nobody_serves
+from p2p_diloco.train.catch_up import POLL_S, CatchUpWait
+from p2p_diloco.train.checkpoint import check_checkpoint_settings, load_checkpoint, save_checkpoint
+from p2p_diloco.train.data import checkpointed_stream_state, order_seed
+from p2p_diloco.train.error_feedback import ErrorFeedback
+from p2p_diloco.train.fragments import model_fragments
+from p2p_diloco.train.heldout import HeldoutEval
+from p2p_diloco.train.inner import InnerTrainer
+from p2p_diloco.train.island import IslandLead, SoloIsland
+from p2p_diloco.train.local_work import LocalWork
+from p2p_diloco.train.outer import GlobalModel
+from p2p_diloco.train.peer_view import PeerView
+from p2p_diloco.train.state_check import STATE_REFUSED, step_problem
+
+logger = logging.getLogger(__name__)
+
+KEEP_POLL_S = 2.0  # how often the keeper reads the run's records (train/keeper.py)
+
+
+class BatchStream(Protocol):
+    """A peer's endless batches; ``state_dict()`` resumes it after the last batch taken (a checkpoint keeps it)."""
+
+    position: int  # batches taken so far
+
+    def __next__(self) -> torch.Tensor: ...
+
+    def __iter__(self) -> Iterator[torch.Tensor]: ...
+
+    def state_dict(self) -> dict: ...
+
+
+class PeerData(Protocol):
+    """Where a peer's batches come from: one of `num_shards` disjoint shards (1: every peer reads all
+    the data, each in its own order), from the start or from a stream's saved `state`."""
+
+    num_shards: int
+
+    def open(self, shard: int, state: Optional[dict]) -> BatchStream: ...
+
+
+class RunMember:
+    """A member of the run: a model, its inner trainer, θ_global, and its link to the swarm (see the module).
+
+    `data` opens this member's stream of training batches (a shard no other live peer reads, when the
+    data is sharded); the stream's state goes into the checkpoint, so a restarted peer goes on with
+    the data it had not seen. `node` is its DHT node, with the identity that signs its records and how
+    others reach it; `settings` the run settings it trains with (:func:`p2p_diloco.config.shared_settings`),
+    whose fingerprint decides which peers it averages with. `display` shows the inner steps' progress
+    (:class:`p2p_diloco.train.display.InnerProgress`), if given. `micro_batch_size` is the one chosen for
+    its memory (:func:`p2p_diloco.train.memory.choose_micro_batch`; default: ``compute.micro_batch_size``,
+    else the whole batch). `trusted_peers` are identities whose word on a state counts first, as a former
+    groupmate's does (the run's bootstrap nodes: its keepers). It evaluates θ_global on the `heldout` sequences
+    every ``eval.every`` outer steps (:mod:`p2p_diloco.train.heldout`).
+    """
+
+    # its record's phase while it holds a state and loads none: TRAINING toward the next outer step, or a keeper's
+    # KEEPING (train/keeper.py), which nobody waits for or averages with
+    idle_phase = TRAINING
+    takes_pushed_states = False  # whether its averager takes a state an unreachable peer pushes (a keeper's does)
+
+    def __init__(
+        self,
+        cfg: Config,
+        model: torch.nn.Module,
+        data: PeerData,
+        node: RunNode,
+        settings: dict[str, Any],
+        metrics: Optional[MetricsWriter] = None,
+        stop_event: Optional[threading.Event] = None,
+        display: Any = None,
+        micro_batch_size: Optional[int] = None,
+        trusted_peers: Sequence[str] = (),
+        island: Optional[IslandLead] = None,
+        heldout: Optional[torch.Tensor] = None,
+    ):
+        self.cfg = cfg
+        self.model = model
+        # a peer of several ranks (train/island.py) is rank 0 of its island; a single process, an island of one
+        self.island = island or SoloIsland(model)
+        self.local_params = self.island.params
+        self.data = data
+        self.data_shard: Optional[int] = None  # chosen when the peer joins (from its checkpoint, or free)
+        self._saved_data_state: Optional[dict] = None  # the stream's state in a restored checkpoint
+        self.inner = InnerTrainer(model, cfg.inner, iter(()), cfg.compute,  # batches from _open_data
+                                  micro_batch_size, self.island.island, self.island.forward_model)
+        self.global_model = GlobalModel(self.local_params, cfg.outer)
+        self.schedule = FragmentSchedule(model_fragments(model, cfg.outer), cfg.inner.steps_per_outer,
+                                         cfg.outer.sync_delay, cfg.outer.fixed_sync_delay)
+        error_feedback = cfg.outer.error_feedback and cfg.outer.codec != "none"
+        self.local = LocalWork(self.local_params, len(self.schedule.fragments),
+                               ErrorFeedback([p.shape for p in self.local_params]) if error_feedback else None)
+        self.peer_id = node.dht.peer_id.to_base58()
+        self.reachability = node.reachability
+        self.metrics = metrics or MetricsWriter(None, self.peer_id)
+        self.stop_event = stop_event or threading.Event()
+        self.stream: Optional[BatchStream] = None
+        self._state_lock = threading.Lock()  # guards θ_global while a joiner downloads it
+        self.checkpoint_dir = cfg.swarm.checkpoint_dir or None
+        self.last_group_size = 1
+        self.distrusted_donors: set[str] = set()  # peers that served a malformed or refused state
+        # identities this peer has averaged with, and the run's bootstrap nodes (its keepers): their word on a
+        # state counts first (train/state_check.py)
+        self.groupmates: set[str] = set(trusted_peers)
+        self.settings = settings
+        self.fingerprint = fingerprint = settings_fingerprint(settings)
+        # the run's checkpoint store, if it has one (StoreError before anything starts if fsspec cannot open it):
+        # written every checkpoint_every outer steps, read when no peer serves the run's state (sync/state_store.py)
+        self.store = StateStore(cfg.swarm.checkpoint_store, cfg.run.name, fingerprint) if cfg.swarm.checkpoint_store else None
+        self.store_writer = StoreWriter(self.store, cfg.swarm.checkpoint_every, self._stored) \
+            if self.store and cfg.swarm.checkpoint_every else None
+        self.catch_up = CatchUpWait(cfg.run.name, cfg.swarm.state_wait_timeout)
+        status = StatusPublisher(node.dht, cfg.run.name, node.identity.record_subkey, cfg.swarm.progress_ttl,
+                                 fingerprint=fingerprint, settings=settings, reachability=node.reachability.mode,
+                                 device=describe_device(self.inner.device), ranks=self.island.world_size)
+        self.view = PeerView(status, display, tokens_per_sample=cfg.data.seq_len, idle_phase=self.idle_phase)
+        self.progress = SwarmProgress(node.dht, cfg.run.name, cfg.swarm.progress_ttl, node.identity.record_subkey,
+                                      fingerprint, node.reachability.mode,
+                                      answering=functools.partial(answering, node.dht))
+        self.assistance = None if node.reachability.can_reduce else self._ask_for_assistance(node, fingerprint)
+        self.sync = OuterSync(node.dht, cfg.run.name, fingerprint, node.identity.record_subkey,
+                              [p.shape for p in self.local_params], cfg.swarm, state_provider=self._serve_state,
+                              client_mode=not node.reachability.can_reduce, codec=cfg.outer.codec,
+                              fragments=self.schedule.fragments, record_sent=error_feedback,
+                              aggregation=aggregation_rule(cfg.outer), takes_pushed_states=self.takes_pushed_states)
+        self.heldout = self._heldout_eval(heldout)
+
+    def _heldout_eval(self, heldout: Optional[torch.Tensor]) -> Optional[HeldoutEval]:
+        """θ_global's held-out evaluation on `heldout` [n, seq_len] every ``eval.every`` outer steps, on the
+        model's device in its micro-batches; none without sequences, or on a sharded island, whose rank 0
+        holds only a shard of the model on its device."""
+        if heldout is None or not len(heldout) or not self.cfg.eval.every:
+            return None
+        if self.island.island is not None and self.island.island.shard:
+            logger.info("not evaluating θ_global on held-out text (eval.every): the model is sharded over this "
+                        "island's ranks")
+            return None
+        return HeldoutEval(heldout, self.cfg.eval.every, self.inner.micro_batch_size)
+
+    def _ask_for_assistance(self, node: RunNode, fingerprint: str) -> RecordPublisher:
+        """An unreachable peer asks reachable nodes to reduce for its run (see p2p_diloco.sync.assistant)."""
+        swarm = self.cfg.swarm
+        publisher = RecordPublisher(node.dht, assistance_key(), node.identity.record_subkey, swarm.progress_ttl,
+                                    "assistance request")
+        publisher.publish(dict(run=self.cfg.run.name, fingerprint=fingerprint, time=time.time(),
+                               shapes=[list(p.shape) for p in self.local_params],
+                               matchmaking_time=swarm.matchmaking_time, request_timeout=swarm.request_timeout,
+                               allreduce_timeout=swarm.allreduce_timeout, next_chunk_timeout=swarm.next_chunk_timeout,
+                               codec=self.cfg.outer.codec, fragments=self.schedule.fragments,
+                               aggregation=self.cfg.outer.aggregation, clip_factor=self.cfg.outer.clip_factor,
+                               clip_iterations=self.cfg.outer.clip_iterations,
+                               trim_fraction=self.cfg.outer.trim_fraction))
+        return publisher
+
+    # ----- state shared with joiners -------------------------------------------------------------
+    def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
+        """Called by hivemind in a background thread when another peer downloads our state."""
+        with self._state_lock:
+            metadata = dict(
+                outer_step=self.global_model.outer_step, sha256=self.sha256, inner_steps=self.inner.steps_done
+            )
+            return metadata, [t.clone() for t in self.global_model.state_tensors()]
+
+    @property
+    def sha256(self) -> str:
+        """The sha256 of this member's global state (:meth:`GlobalModel.sha256`)."""
+        return self.global_model.sha256()
+
+    def _after_state_change(self) -> None:
+        # joiners download from the most advanced peer, and among those from the largest group's
+        self.sync.set_state_priority(self.global_model.outer_step * 1000.0 + min(self.last_group_size, 999))
+
+    # ----- joining and leaving ----------------------------------------------------------------------
+    def _stopping(self) -> bool:
+        return self.stop_event.is_set()
+
+    def _join(self) -> None:
+        self.restored = self._restore_checkpoint()
+        if self.store is not None and not self.progress.fetch().keys() - {self.peer_id}:
+            self._load_from_store("no live peer of the run is in the swarm")  # the run's state, if it has one
+        self._after_state_change()
+        self.view.joined(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done,
+                         data_shard=self._shard_claim())
+        self.progress.publish(self.global_model.outer_step, self.sha256, self.idle_phase)
+        logger.info("joined at outer step %d (%s)", self.global_model.outer_step,
+                    "checkpoint" if self.restored else "fresh")
+
+    def _shard_claim(self) -> Optional[int]:
+        """The data shard its status record names: none when the data is not sharded (it reads all of it)."""
+        return self.data_shard if self.data.num_shards > 1 else None
+
+    def _evaluate_global(self) -> None:
+        """θ_global's held-out loss when it is due (p2p_diloco.train.heldout): an ``eval`` metrics record, and
+        the status record's latest, for `status` and the run's page."""
+        evaluation = None if self.heldout is None else self.heldout.maybe(
+            self.global_model.outer_step, self.model, self.local_params, self.global_model.params)
+        if evaluation is None:
+            return
+        self.metrics.write("eval", outer_step=evaluation.outer_step, eval_loss=evaluation.loss,
+                           sequences=evaluation.sequences, seconds=evaluation.seconds)
+        self.view.evaluated(evaluation.outer_step, evaluation.loss)  # after the record: never ahead of it
+        logger.info("outer step %d: held-out loss of θ_global %.4f (%d sequences, %.2f s)", evaluation.outer_step,
+                    evaluation.loss, evaluation.sequences, evaluation.seconds)
+
+    def _leave(self) -> None:
+        """Tell the swarm this member is gone, then stop the averager (the caller stops the DHT)."""
+        self.stop_event.set()  # whatever ended the loop (a signal, an exception), a sync in flight stops too
+        try:
+            self._before_leaving()
+            self.progress.publish(self.global_model.outer_step, self.sha256, LEFT)
+            self.view.left()
+        except Exception as e:  # leaving must not fail because the DHT is already unreachable
+            logger.debug("could not publish the leave record: %s", e)
+        self.view.close()
+        self.progress.close()
+        if self.assistance is not None:
+            self.assistance.close()
+        self.metrics.write("exit", outer_step=self.global_model.outer_step, global_sha256=self.sha256)
+        if self.store_writer is not None:
+            self.store_writer.close(timeout=self.cfg.swarm.state_download_timeout)
+        self._stop_workers()
+        self.sync.shutdown()
+
+    def _before_leaving(self) -> None:
+        """What this member does before its last record, while the run still counts it: nothing here (a peer
+        hands its state over to the run's keeper, :meth:`~p2p_diloco.train.diloco.DiLoCoPeer._before_leaving`)."""
+
+    def _stop_workers(self) -> None:
+        """Stop the threads of this member's own work, before its averager stops: none here (a peer's syncs,
+        reads of the records and pushes to the keeper)."""
+
+    # ----- loading the run's state -----------------------------------------------------------------
+    def _next_move(self, records: dict[str, PeerProgress], may_load: bool = True) -> Move:
+        """This peer's move before its next round (:func:`p2p_diloco.protocol.decide.next_move`) from `records` and
+        what its ledger holds now; a jump it declines is said, and its claims set aside."""
+        move = next_move(records, self.progress.set_aside_records, self.peer_id, self.global_model.outer_step,
+                         self.sha256, self.progress.history(), frozenset(self.groupmates - self.distrusted_donors),
+                         may_load)
+        if move.declined is not None:
+            self._decline_jump(move.declined, move.vouch_counts)
+        return move
+
+    def _decline_jump(self, plan: RoundPlan, counts: str) -> None:
+        """A jump to `plan`'s state that the records do not trust enough (`counts`, the vouchers counted): said,
+        written to the metrics, and its claims set aside until their authors move on."""
+        step = self.global_model.outer_step
+        logger.warning("not loading outer step %d (%s): a jump of %d outer steps is taken only on at least as many "
+                       "vouchers as this peer's own state has, and more than the other claims above it; %s; "
+                       "training on from outer step %d, and trying again when its claimants move on", plan.target_step,
+                       plan.target_sha256[:12], plan.target_step - step, counts, step)
+        self.metrics.write(STATE_REFUSED, outer_step=step, target_step=plan.target_step,
+                           target_sha256=plan.target_sha256, claimed_by=sorted(plan.claims or {}),
+                           reason=f"unverified jump: {counts}")
+        self.progress.set_aside(plan.claims or {}, "this peer does not take that jump on so few vouchers")
+
+    def _load_from_peers(self, plan: RoundPlan, records: dict[str, PeerProgress]) -> bool:
+        """Download the state `plan` targets (one the records trust: :meth:`_next_move`), check it
+        (p2p_diloco.train.state_check) and adopt it; False, and this peer stays at its own state, when it is not
+        downloaded or fails the check."""
+        logger.info("loading global state from peers: %s", plan.reason)
+        self._say_loading(plan)
+        self.view.loading()
+        self.sync.share_state(False)  # nobody should copy a state we are replacing
+        expected = StateExpectation(tuple(tuple(p.shape) for p in self.local_params), plan.target_step,
+                                    plan.target_sha256)
+        pushed = self._pushed_state(expected)  # nobody can download from an unreachable peer
+        try:
+            state, failed_donors = (pushed, {}) if pushed is not None else download_global_state(
+                self.sync.averager, expected, self.distrusted_donors, self.cfg.swarm.state_download_timeout,
+                should_stop=self._stopping,
+            )
+        finally:
+            self.sync.share_state(True)
+        self.progress.refuse(peers=sorted(self.distrusted_donors))  # nor do their records count in any plan
+        failures = {peer: str(why) for peer, why in failed_donors.items()}
+        if state is None:
+            self._load_failed()
+            if nobody_serves(failed_donors, plan.target_step):
+                self.progress.set_aside(plan.claims or {})
+            logger.warning("could not download the global state; training on from outer step %d",
+                           self.global_model.outer_step)
+            self.metrics.write("state_load_failed", outer_step=plan.target_step, reason=plan.reason,
+                               failed_donors=failures)
+            return False
+        problem = self._step_refusal(state, records)
+        if problem is not None:
+            self._load_failed()
+            self._refuse_state(state, plan, problem, failures)
+            return False
+        donor_record = records.get(state.donor)
+        source = "keeper" if donor_record is not None and not averages(donor_record) else "peer"
+        self._adopt(state.tensors, state.outer_step, state.inner_steps, plan.reason, source=source, donor=state.donor,
+                    failed_donors=failures)
+        return True
+
+    def _say_loading(self, plan: RoundPlan) -> None:
+        """Its record says it loads the state at `plan`'s step: the peers at that step wait for this one."""
+        self.progress.publish(plan.target_step, self.sha256, LOADING)
+
+    def _pushed_state(self, expected: StateExpectation) -> Optional[GlobalState]:
+        """The state `expected`, if an unreachable peer pushed it to this member: only a keeper takes those
+        (:meth:`p2p_diloco.train.keeper.Keeper._pushed_state`)."""
+        return None
+
+    def _step_refusal(self, state: GlobalState, records: dict[str, PeerProgress]) -> Optional[str]:
+        """Why a downloaded state one step ahead must not replace this peer's, or None if it may: it is
+        an outer step from this peer's state (:func:`p2p_diloco.train.state_check.step_problem`), or, when
+        it is not, enough identities vouch for it that this peer is the one that forked."""
+        step = self.global_model.outer_step
+        if not is_verifiable(step, state.outer_step):
+            return None
+        model = self.global_model
+        problem = step_problem(model.params, model.momentum_buffer, state.tensors, self.schedule.fragments,
+                               self.schedule.fragment_at(step), model.lr, model.momentum,
+                               self.cfg.outer.max_update_growth)
+        if problem is None:
+            return None
+        if unverified_step_trusted(records, self.peer_id, step, self.sha256, (state.outer_step, state.sha256)):
+            logger.warning("the state at outer step %d (%s) is not an outer step from this peer's state (%s), but "
+                           "at least as many identities vouch for it as for this peer's: this peer forked, and loads "
+                           "it",
+                           state.outer_step, state.sha256[:12], problem)
+            return None
+        return problem
+
+    def _refuse_state(self, state: GlobalState, plan: RoundPlan, problem: str, failures: dict[str, str]) -> None:
+        """A downloaded state that failed the state check: refused like a malformed one (its donor is not
+        asked again), and no plan targets it again."""
+        self.distrusted_donors.add(state.donor)
+        self.progress.refuse(state.sha256, [state.donor])
+        logger.warning("refusing the state at outer step %d (%s) from peer %s: %s; training on from outer step %d",
+                       state.outer_step, state.sha256[:12], state.donor, problem, self.global_model.outer_step)
+        self.metrics.write(STATE_REFUSED, outer_step=self.global_model.outer_step, target_step=state.outer_step,
+                           target_sha256=state.sha256, donor=state.donor, claimed_by=sorted(plan.claims or {}),
+                           reason=problem, failed_donors=failures)
+
+    def _load_failed(self) -> None:
+        """Back to this peer's own state after a load that failed: its record says so. Left "loading" at the
+        target's step, it kept peers at that step waiting for it, and hid it from peers at its own step: three
+        newcomers whose download failed each waited for company the others' records denied (seen in CI)."""
+        self.progress.publish(self.global_model.outer_step, self.sha256, self.idle_phase)
+        self.view.training()
+
+    def _adopt(self, tensors: list[torch.Tensor], outer_step: int, inner_steps: int, reason: str, source: str,
+               **details) -> None:
+        """Replace this peer's state with a checked one (θ_global and momentum at `outer_step`) that came from
+        `source` ("peer", "keeper" or "store"); θ_local and its unsynced inner steps go with the old state."""
+        contribution = self.local.contribution  # its unsynced inner steps are dropped with θ_local
+        samples_dropped = max(contribution.samples(f) for f in range(len(self.schedule.fragments)))
+        with self._state_lock:
+            self.global_model.load_state_tensors(tensors, outer_step)
+            self.local.replace_with(self.global_model, self.schedule.fragments)
+            self.inner.fast_forward_schedule(inner_steps)
+            self.island.changed(self.inner.steps_done)
+            self._after_state_change()
+        self.progress.served(outer_step, self.sha256)
+        self.progress.publish(self.global_model.outer_step, self.sha256, self.idle_phase)
+        self.view.training(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done)
+        self.metrics.write("state_loaded", outer_step=outer_step, global_sha256=self.sha256, reason=reason,
+                           source=source, samples_dropped=samples_dropped, **details)
+        logger.info("loaded global state at outer step %d (%s) from %s %s", outer_step, self.sha256[:12], source,
+                    details.get("donor", ""))
+        self._save_checkpoint()
+
+    def _load_from_store(self, reason: str) -> bool:
+        """Adopt the newest whole state in the run's checkpoint store above this peer's outer step, if any."""
+        step = self.global_model.outer_step
+        try:
+            stored = self.store.newest([tuple(p.shape) for p in self.local_params], above_step=step)
+        except StoreError as e:
+            logger.warning("%s", e)
+            return False
+        if stored is None:
+            return False
+        self._adopt(stored.tensors, stored.outer_step, stored.inner_steps, f"{reason}: the checkpoint store's newest",
+                    source="store", donor=stored.source)
+        return True
+
+    def _wait_for_state(self, move: Move) -> None:
+        """One wait of a peer behind the run with nobody at its step (`move`): it must not train
+        (:mod:`p2p_diloco.train.catch_up`); it tries the checkpoint store, if the run has one, and the peers again
+        at the next move. Raises NoStateSource once that has lasted ``swarm.state_wait_timeout``."""
+        if self.store is not None and self._load_from_store(move.reason):
+            self.catch_up.reset()
+            return
+        self.catch_up.wait(self.global_model.outer_step, move.history, self.cfg.swarm.checkpoint_store)
+        self.stop_event.wait(POLL_S)
+
+    # ----- checkpoints ----------------------------------------------------------------------------
+    def _save_checkpoint(self) -> None:
+        """This member's whole state to ``swarm.checkpoint_dir``, if it has one, taken under the state's lock."""
+        if not self.checkpoint_dir:
+            return
+        self.island.pull()
+        with self._state_lock:
+            state = dict(
+                outer_step=self.global_model.outer_step,
+                sha256=self.sha256,
+                fingerprint=self.fingerprint,  # the run settings it was trained with (export checks them)
+                inner_steps=self.inner.steps_done,
+                data_shard=self.data_shard,
+                data_state=self.stream.state_dict() if self.stream is not None else None,
+                global_state=[t.clone() for t in self.global_model.state_tensors()],
+                inner_optimizer=self.island.optimizer_state(self.inner.optimizer),
+                # θ_local, its unsynced samples, the steps run ahead and the residual, taken with the data
+                # position above: a restart neither skips a batch it read nor counts one twice
+                local=self.local.state_dict(),
+            )
+        save_checkpoint(self.checkpoint_dir, state)
+
+    def _restore_checkpoint(self) -> bool:
+        """This member's state from its checkpoint, if it has one (CheckpointMismatch if it was trained with
+        other run settings); its data stream is opened later, where the checkpoint left it."""
+        if not self.checkpoint_dir:
+            return False
+        state = load_checkpoint(self.checkpoint_dir)
+        if state is None:
+            return False
+        check_checkpoint_settings(self.checkpoint_dir, self.fingerprint, state)
+        with self._state_lock:
+            self.global_model.load_state_tensors(state["global_state"], state["outer_step"])
+            if state.get("local") is not None:
+                self.local.load_state_dict(state["local"])
+            else:  # a checkpoint of an earlier version kept no θ_local: its data position is a round ahead
+                self.local.replace_with(self.global_model, self.schedule.fragments)
+            self.island.load_optimizer(self.inner.optimizer, state["inner_optimizer"], int(state["inner_steps"]))
+            self.inner.fast_forward_schedule(state["inner_steps"])
+        self.data_shard = state.get("data_shard")
+        self._saved_data_state = checkpointed_stream_state(state, order_seed(self.cfg.run.seed, self.peer_id))
+        if self.data_shard is not None and not 0 <= self.data_shard < self.data.num_shards:
+            logger.warning("the checkpoint's data shard %d is not one of the %d shards of this config: reading "
+                           "another shard from its start", self.data_shard, self.data.num_shards)
+            self.data_shard, self._saved_data_state = None, None
+        return True
+
+    def _state_snapshot(self) -> list[torch.Tensor]:
+        """A copy of θ_global and the outer momentum, taken under the state's lock."""
+        with self._state_lock:
+            return [t.clone() for t in self.global_model.state_tensors()]
+
+    def _store_step(self) -> None:
+        """Write this member's state to the run's checkpoint store, if the store is due one at its outer step
+        (``swarm.checkpoint_every``: :class:`~p2p_diloco.sync.state_store.StoreWriter`, in the background)."""
+        if self.store_writer is not None:
+            self.store_writer.after_step(self.global_model.outer_step, self.sha256, self.inner.steps_done,
+                                         self._state_snapshot)
+
+    def _stored(self, outer_step: int) -> None:
+        """The state of `outer_step` is in the run's checkpoint store: the status record says so."""
+        self.view.status.update(stored_step=outer_step)
+
+
+def describe_device(device: torch.device) -> str:
+    """``"cpu"``, or ``"cuda:0 NVIDIA H100 80GB HBM3"``: what a status table shows of a peer's device (of an
+    island's rank 0)."""
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return str(device)
