@@ -28,14 +28,14 @@ fp32 codec this is DiLoCo's Algorithm 1 exactly.
 
 This module is the driver: :meth:`DiLoCoPeer.run` reads the records, asks for the move and acts on it, and
 :meth:`DiLoCoPeer._round` runs one outer step top to bottom. What a peer holds and shares with the run's keeper
-(θ_global, its records, its averager, loading the run's state and checkpoints) is
-:class:`~p2p_diloco.train.member.RunMember`.
+(θ_global, its records, its averager) is :class:`~p2p_diloco.train.member.RunMember`; loading the run's state
+:mod:`p2p_diloco.train.state_loading`; its checkpoint and the hand-over to the keeper
+:mod:`p2p_diloco.train.checkpointing`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -46,21 +46,18 @@ import torch
 from p2p_diloco import faults
 from p2p_diloco.protocol.decide import LOAD, WAIT
 from p2p_diloco.protocol.update_rule import CLIPPED, VOID
-from p2p_diloco.protocol.view import READY, TRAINING, PeerProgress, averages, keepers
-from p2p_diloco.swarm.reachability import DIRECT
+from p2p_diloco.protocol.view import READY, TRAINING, PeerProgress
 from p2p_diloco.swarm.status import EXCLUDED_AFTER_ROUNDS, choose_shard, read_status, settings_mismatch
 from p2p_diloco.sync.outer_sync import GroupMean, PendingDelta
+from p2p_diloco.train.checkpointing import KeeperHandOver
 from p2p_diloco.train.data import DataError
 from p2p_diloco.train.match_ahead import MatchLead
-from p2p_diloco.train.member import KEEP_POLL_S, RunMember
+from p2p_diloco.train.member import RunMember
 from p2p_diloco.train.round_sync import ROUND_STOPPED, RoundSync, SyncOutcome
 from p2p_diloco.train.update_check import ROUND_CLIPPED, ROUND_REJECTED, checked_mean
 from p2p_diloco.train.utilization import ComputeClock, RecentRate
 
 logger = logging.getLogger(__name__)
-
-HANDOVER_S = 3 * KEEP_POLL_S  # how long a leaving peer waits for a keeper that lacks its state
-HANDOVER_POLL_S = 0.5
 
 ROUND_CHECK_PERIOD_S = 0.5  # how often the inner loop looks whether the swarm is ready to average
 
@@ -79,7 +76,7 @@ class RunSettingsMismatch(RuntimeError):
     """The run's live peers all train with other settings: this peer can never average with them."""
 
 
-class DiLoCoPeer(RunMember):
+class DiLoCoPeer(RunMember, KeeperHandOver):
     """One training peer: the driver of its outer steps (see the module), a :class:`~p2p_diloco.train.member.RunMember`
     constructed with the same arguments."""
 
@@ -407,46 +404,3 @@ class DiLoCoPeer(RunMember):
         self._sync_thread.shutdown(wait=True)
         self._round_reads.shutdown(wait=True)  # a read of the records: bounded by the DHT's timeouts
         self._push_thread.shutdown(wait=True)  # each push is bounded by state_download_timeout
-
-    # ----- the hand-over to the run's keeper -------------------------------------------------------
-    def _push_to_keeper(self, first_only: bool) -> None:
-        """An unreachable peer pushes its state to a keeper of the run that is behind it: the keeper cannot
-        dial it to download the state, and in a run whose peers are all unreachable nobody else serves it.
-        Only the first (by peer ID) of the unreachable peers at this step and state pushes (`first_only`),
-        in a thread of its own; a leaving peer pushes whatever its rank."""
-        if self.reachability.can_reduce or (self._push is not None and not self._push.done()):
-            return
-        step, sha = self.global_model.outer_step, self.sha256
-        records = self.progress.fetch()
-        behind = sorted(r.peer_id for r in keepers(records, self.peer_id)
-                        if r.outer_step < step and r.reachability == DIRECT)
-        holders = sorted(pid for pid, r in records.items()
-                         if r.outer_step == step and r.sha256 == sha and averages(r))
-        if not behind or (first_only and holders and holders[0] != self.peer_id):
-            return
-
-        def push() -> None:
-            for keeper in behind:
-                problem = self.sync.averager.push_state(keeper, self.cfg.swarm.state_download_timeout)
-                logger.info("pushed outer step %d to the run's keeper %s%s", step, keeper[-8:],
-                            f": {problem}" if problem else "")
-
-        self._push = self._push_thread.submit(push)
-
-    def _hand_over_to_keeper(self) -> None:
-        """Before this peer leaves, a keeper of the run that is behind its state gets up to
-        :data:`HANDOVER_S` to download it: the last peers of a run may leave right after a step, before the
-        keeper has read it (it reads every KEEP_POLL_S), and that step would be lost with them."""
-        step, deadline = self.global_model.outer_step, time.monotonic() + HANDOVER_S
-        self._push_to_keeper(first_only=False)  # an unreachable peer: the keeper cannot download from it
-        for poll in itertools.count():
-            found = keepers(self.progress.fetch(), self.peer_id)
-            if not found or any(r.outer_step >= step for r in found):
-                return
-            if time.monotonic() >= deadline:
-                logger.warning("leaving before the run's keeper has this peer's outer step %d", step)
-                return
-            if not poll:
-                logger.info("leaving once the run's keeper has this peer's outer step %d (at most %.0f s)", step,
-                            HANDOVER_S)
-            time.sleep(HANDOVER_POLL_S)

@@ -2,7 +2,7 @@
 
 A bootstrap node started with ``--keep RUN.toml`` (:func:`p2p_diloco.node_runner.run_bootstrap`) runs one. It
 decides as every peer does (:func:`p2p_diloco.protocol.decide.next_move`) and loads the state a move targets with
-the same checks (:class:`p2p_diloco.train.member.RunMember`), so which state it keeps is decided by the peers' records,
+the same checks (:mod:`p2p_diloco.train.state_loading`), so which state it keeps is decided by the peers' records,
 never by the node; it acts on a load only. Its progress record says KEEPING: it vouches for the state it holds, and
 nobody waits for it or averages with it (:func:`p2p_diloco.protocol.view.averages`). It serves its state to
 joiners as any donor does, takes the state an unreachable peer pushes to it (nobody can dial such a peer to
@@ -18,7 +18,8 @@ from p2p_diloco.protocol.decide import LOAD
 from p2p_diloco.protocol.plans import RoundPlan
 from p2p_diloco.protocol.view import KEEPING
 from p2p_diloco.sync.state_transfer import GlobalState, StateExpectation
-from p2p_diloco.train.member import KEEP_POLL_S, RunMember
+from p2p_diloco.train.checkpointing import KEEP_POLL_S
+from p2p_diloco.train.member import RunMember
 
 
 class Keeper(RunMember):
