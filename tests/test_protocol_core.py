@@ -6,9 +6,10 @@ import pytest
 
 from p2p_diloco.protocol.ledger import ASIDE_S, TrustLedger, merge_seen
 from p2p_diloco.protocol.phases import TRANSITIONS, IllegalTransition, Phase, check_transition
+from p2p_diloco.protocol.plans import plan_averaging
 from p2p_diloco.protocol.view import (
-    KEEPING, LOADING, READY, TRAINING, PeerProgress, averages, averaging_peers, busy_toward, committing_toward,
-    keepers, own_vouchers, ready_at, round_closing, went_on_without,
+    DIRECT, KEEPING, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, averaging_peers, busy_toward,
+    committing_toward, keepers, own_vouchers, ready_at, round_closing, went_on_without,
 )
 from p2p_diloco.swarm.records import ProgressValue
 
@@ -80,6 +81,15 @@ def test_the_ledger_sets_claims_aside_until_their_author_moves_on_or_the_state_i
     moved = {**seen, "x": (rec("x", 5, sha=A), 100.0)}
     assert set(ledger.split(moved, now=10.0)[0]) == {"me", "x"} and "x" not in ledger.unverified
     assert set(ledger.split(moved, now=200.0)[0]) == {"me"}  # x's record expired at 100
+
+
+def test_a_peer_never_averages_alone_while_the_run_was_seen_ahead():
+    """Its records may hide the run (set aside, or missed by a read): the run's history still says where it is."""
+    alone = {"me": rec("me", 4, READY)}
+    assert plan_averaging(alone, 4, "me", DIRECT, history=None).action == "alone"
+    assert plan_averaging(alone, 4, "me", DIRECT, history=RunHistory(4, 1, 0.0)).action == "alone"
+    plan = plan_averaging(alone, 4, "me", DIRECT, history=RunHistory(9, 2, 3.0))
+    assert plan.action == "skip" and "seen at outer step 9" in plan.reason
 
 
 def test_refused_states_and_distrusted_peers_count_nowhere_but_history_outlives_expiry():

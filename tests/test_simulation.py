@@ -4,6 +4,8 @@ named scenarios, and the stall at outer step 2 (issue 42)."""
 import pytest
 
 from p2p_diloco.protocol import decide
+from p2p_diloco.protocol.plans import plan_averaging
+from p2p_diloco.protocol.simulation import peer as sim_peer
 from p2p_diloco.protocol.simulation.campaign import Trial, replay, run_trials, summary
 from p2p_diloco.protocol.simulation.invariants import ALONE_AHEAD, LIVENESS, ONE_STATE, UNCOMMITTED_LOAD, VOID_TRAP
 from p2p_diloco.protocol.simulation.schedule import SCENARIOS
@@ -52,6 +54,10 @@ SCENARIO_PROGRESS = {
     "joiner_while_the_run_steps": 6, "left_behind_after_the_run_left": 6, "slow_peer": 6, "kill_mid_round": 6,
     "liar_far_ahead": 6, "newcomers_after_the_last_peer_crashed": 6,
     "vote_tie_while_committing": 6,
+    # 75 steps without the liar: each of its claims counts again at the run's next step, every peer skips that
+    # round and asks for a state nobody serves (a defect the scenario shows, not fixed: keeping an unserved
+    # claimant aside at its next steps gave 60 steps here, but more forks in the random campaigns)
+    "liar_following_the_run": 30,
 }
 
 
@@ -69,9 +75,11 @@ def test_a_seed_replays_exactly():
 
 
 def test_the_invariants_catch_a_broken_rule(monkeypatch):
-    """Without the rule that keeps a peer behind the run from training alone (train/catch_up.py), the peer left
-    behind by a run that then left takes the run's steps alone: the simulation says so."""
+    """Without the two rules that keep a peer behind the run from training alone (it waits for the run's state
+    before a round, train/catch_up.py, and never averages alone while the run is ahead), the peer left behind
+    by a run that then left takes the run's steps alone: the simulation says so."""
     trial = Trial(0, 0, checked=(ALONE_AHEAD, ONE_STATE), scenario="left_behind_after_the_run_left")
     assert not trial.run().violations
     monkeypatch.setattr(decide, "behind_alone", lambda *args: False)
+    monkeypatch.setattr(sim_peer, "plan_averaging", lambda *args: plan_averaging(*args[:4]))  # no history
     assert trial.run().violations

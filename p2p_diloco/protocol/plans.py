@@ -77,17 +77,23 @@ class AveragingPlan:
     reason: str = ""
 
 
-def plan_averaging(records: dict[str, PeerProgress], outer_step: int, peer_id: str, reachability: str) -> AveragingPlan:
+def plan_averaging(records: dict[str, PeerProgress], outer_step: int, peer_id: str, reachability: str,
+                   history: Optional[RunHistory] = None) -> AveragingPlan:
     """Decide from the progress records how this peer averages toward `outer_step + 1`.
 
     It never steps alone while other peers are live: a peer behind will load this peer's state and
-    average with it next round (this peer keeps its inner steps in the meantime). When every peer at
-    this step is unreachable, nobody of them can reduce: the round needs an assistant, a reachable
-    node that reduces for them.
+    average with it next round (this peer keeps its inner steps in the meantime). Nor while the run's
+    `history` (:meth:`~p2p_diloco.protocol.ledger.TrustLedger.history`) is at a later step: the records it
+    counts may hide the run's peers (set aside, or their records missed), and a step alone would start a second
+    history. When every peer at this step is unreachable, nobody of them can reduce: the round needs an
+    assistant, a reachable node that reduces for them.
     """
     others = averaging_peers(records, peer_id)
     groupmates = [r for r in others if r.outer_step == outer_step]
     if not groupmates:
+        if history is not None and history.outer_step > outer_step:
+            return AveragingPlan("skip", reason=f"no other peer is at outer step {outer_step} and the run was seen at "
+                                                f"outer step {history.outer_step}: not stepping alone")
         if others:
             steps = ", ".join(str(step) for step in sorted({r.outer_step for r in others}))
             return AveragingPlan("skip", reason=f"no other peer is at outer step {outer_step} while {len(others)} "

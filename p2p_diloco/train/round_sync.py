@@ -100,7 +100,7 @@ class RoundSync:
         if any(r.outer_step > step for r in records.values()):
             return SyncOutcome(event="round_skipped",
                                reason=f"the swarm moved past outer step {step} while this peer trained; catching up")
-        plan = plan_averaging(records, step, self.peer_id, self.reachability_mode)
+        plan = plan_averaging(records, step, self.peer_id, self.reachability_mode, self.progress.history())
         if plan.action == "skip":
             return SyncOutcome(event="round_skipped", reason=plan.reason)
         if plan.action == "alone":

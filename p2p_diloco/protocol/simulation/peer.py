@@ -227,7 +227,7 @@ class SimPeer:
         records = yield from self.wait_for_groupmates(step, sha)
         if any(r.outer_step > step for r in records.values()):
             return "skipped: the swarm moved past the step"
-        plan = plan_averaging(records, step, self.peer_id, DIRECT)
+        plan = plan_averaging(records, step, self.peer_id, DIRECT, self.ledger.history(self.seen, self.now))
         if plan.action == "skip":
             return f"skipped: {plan.reason}"
         if plan.action == "alone":
