@@ -69,6 +69,16 @@ def test_the_plan_counts_ready_peers_of_this_state_and_leads_with_dialable_ones(
     assert plan_membership({peers[1]: records[peers[1]]}, 4, STATE, peers[0], UNREACHABLE) is None
 
 
+def test_a_retry_plans_among_the_failed_attempts_members_and_waits_for_no_newcomer():
+    peers = peer_ids(5)
+    first = plan_membership({p: record(p) for p in peers[:3]}, 4, STATE, peers[0], DIRECT)
+    # peers[2] died in the round; peers[3] and peers[4] became ready at the step meanwhile
+    now = {p: record(p) for p in (peers[0], peers[1], peers[3], peers[4])}
+    retry = plan_membership(now, 4, STATE, peers[0], DIRECT, attempt=2, among=first.members)
+    assert set(retry.members) == {peers[0], peers[1]} and set(retry.leaders) <= {peers[0], peers[1]}
+    assert plan_membership(now, 4, STATE, peers[0], DIRECT, attempt=2).expected == 4  # without `among`: everyone
+
+
 def leader_not_leading_yet(request_timeout: float) -> PlannedMatchmaking:
     """The part of a planned leader that holds join requests, alone: no DHT, no p2p daemon (the swarm tests
     below run the whole of it)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Collection, Optional
 
 from p2p_diloco.protocol.view import DIRECT, PeerProgress, ready_at
 
@@ -21,6 +21,8 @@ class Membership:
 
     leaders: tuple[str, ...]  # peer IDs (base58), in the order members ask them
     members: tuple[str, ...]  # the ready peers at the step and state, this one included, sorted: whom a leader waits for
+    # the members others can dial, sorted: those whose silence in the round says they left or crashed
+    dialable: tuple[str, ...] = ()
 
     @property
     def expected(self) -> int:
@@ -44,18 +46,24 @@ def leader_rank(outer_step: int, global_sha256: str, peer_id: str, attempt: int 
 
 
 def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sha256: str, peer_id: str,
-                    reachability: str, attempt: int = 1) -> Optional[Membership]:
+                    reachability: str, attempt: int = 1, among: Optional[Collection[str]] = None) -> Optional[Membership]:
     """The membership of the round toward `outer_step + 1` for this peer (`peer_id`, which holds the
     θ_global `global_sha256` and is ready) in its `attempt`-th attempt at the step: the peers whose records
     say ready at the step with the same state, and the first :data:`MAX_LEADERS` of them that others can
     dial, in :func:`leader_rank` order.
 
+    `among`: a retry plans among the members of the attempt that failed (those whose records still stand):
+    a peer that became ready at the step meanwhile was not in that round, so the retry neither waits for it
+    nor asks it to lead (in a churn check a retry's planned leader was such a joiner, which found no group).
+
     None when none of them can be dialled: then only an assistant can reduce, and it finds the group
     through hivemind's matchmaking."""
-    members = {pid: r.reachability for pid, r in ready_at(records, outer_step, global_sha256).items()}
+    ready = ready_at(records, outer_step, global_sha256)
+    members = {pid: r.reachability for pid, r in ready.items() if among is None or pid in among}
     members[peer_id] = reachability
     leaders = sorted((pid for pid, mode in members.items() if mode == DIRECT),
                      key=lambda pid: leader_rank(outer_step, global_sha256, pid, attempt))[:MAX_LEADERS]
     if not leaders:
         return None
-    return Membership(tuple(leaders), tuple(sorted(members)))
+    return Membership(tuple(leaders), tuple(sorted(members)), tuple(sorted(pid for pid, mode in members.items()
+                                                                        if mode == DIRECT)))

@@ -106,6 +106,12 @@ def went_on_without(records: Records, outer_step: int, peer_id: str) -> bool:
             and not any(r.outer_step == outer_step and r.phase in (READY, TRAINING) for r in others))
 
 
+def dialable(records: Records) -> list[str]:
+    """The peers of `records` that others can dial, sorted: the only ones whose silence says they are gone (one
+    behind NAT may not answer a request at all)."""
+    return sorted(peer for peer, r in records.items() if r.reachability == DIRECT)
+
+
 def vouchers(records: Records, outer_step: int, sha256: str) -> set[str]:
     """The identities whose live records (not "loading": they hold no agreed state) claim this state."""
     return {peer for peer, r in records.items()

@@ -4,14 +4,16 @@ A peer's progress record outlives the peer by up to ``progress_ttl``: a peer SIG
 training still reads "training" until it expires, and its groupmates would wait for it until
 ``round_wait_timeout``. Every node therefore answers :data:`ALIVE` requests (from its DHT process,
 which keeps running while the training thread computes), and a peer that waits for groupmates asks
-the ones it waits for (:meth:`p2p_diloco.swarm.progress.SwarmProgress.wait_for_groupmates`). A peer
-that does not answer twice in a row has left or crashed; a slow live peer answers and is waited for.
+the ones it waits for (:meth:`p2p_diloco.swarm.progress.SwarmProgress.wait_for_groupmates`), as does a
+member that waits for its groupmates' round reports (:mod:`p2p_diloco.sync.commit`). A peer that does not
+answer twice in a row has left or crashed (:class:`SilentPeers`); a slow live peer answers and is waited for.
 """
 
 from __future__ import annotations
 
+import time
 from functools import partial
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 from hivemind import DHT
 from hivemind.dht.node import DHTNode
@@ -43,3 +45,36 @@ def answering(dht: DHT, peer_ids: Sequence[str], timeout: float = ANSWER_TIMEOUT
     if not peer_ids:
         return set()
     return dht.run_coroutine(partial(_ask, peer_ids=list(peer_ids), timeout=timeout))
+
+
+class SilentPeers:
+    """The peers a waiting peer stops waiting for: those that do not answer twice in a row, CHECK_PERIOD_S
+    apart. Only peers that others can dial are asked (the caller says which): a peer behind NAT may not
+    answer, and is waited for until the wait's timeout."""
+
+    CHECK_PERIOD_S = 2.0
+    MISSES = 2
+
+    def __init__(self, answering: Optional[Callable[[list[str]], set[str]]], check_period_s: float = CHECK_PERIOD_S):
+        self.answering = answering
+        self.check_period_s = check_period_s
+        self.gone: set[str] = set()
+        self._misses: dict[str, int] = {}
+        self._next_check = time.monotonic() + check_period_s
+
+    def check(self, dialable: Sequence[str]) -> list[str]:
+        """The peers among `dialable` (the waited-for peers that others can dial) found gone by this check
+        (none between checks)."""
+        if self.answering is None or time.monotonic() < self._next_check:
+            return []
+        self._next_check = time.monotonic() + self.check_period_s
+        asked = list(dialable)
+        answered = self.answering(asked) if asked else set()
+        found = []
+        for peer_id in asked:
+            misses = 0 if peer_id in answered else self._misses.get(peer_id, 0) + 1
+            self._misses[peer_id] = misses
+            if misses >= self.MISSES:
+                self.gone.add(peer_id)
+                found.append(peer_id)
+        return found

@@ -39,8 +39,9 @@ from p2p_diloco.remote_input import warn_once
 from p2p_diloco.protocol.ledger import Seen, TrustLedger, remember
 from p2p_diloco.protocol.phases import check_transition
 from p2p_diloco.protocol.view import (
-    DIRECT, KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, busy_toward,
+    DIRECT, KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, busy_toward, dialable,
 )
+from p2p_diloco.swarm.liveness import SilentPeers
 from p2p_diloco.swarm.records import ProgressValue, RecordPublisher, progress_key, read_signed, signed_records
 
 logger = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class SwarmProgress:
         while True:
             records = {peer: r for peer, r in self.fetch().items() if peer not in silent.gone}
             busy = busy_toward(records, outer_step, self.peer_id, sha256)
-            for peer in silent.check([records[p] for p in busy]):
+            for peer in silent.check(dialable({p: records[p] for p in busy})):
                 logger.warning("outer step %d: not waiting for %s any more: its record says %s, but it does not "
                                "answer on the network (it left or crashed)", outer_step + 1, peer[-8:], busy[peer])
                 del busy[peer], records[peer]
@@ -216,38 +217,6 @@ class SwarmProgress:
                 return records
             if stop.wait(next(intervals)):
                 return records
-
-
-class SilentPeers:
-    """The peers a waiting peer stops waiting for: records that say "training" (or loading, or
-    committing) of a peer that does not answer twice in a row, CHECK_PERIOD_S apart. Only peers that
-    others can dial are asked; an unreachable peer is waited for until the timeout."""
-
-    CHECK_PERIOD_S = 2.0
-    MISSES = 2
-
-    def __init__(self, answering: Optional[Callable[[list[str]], set[str]]], check_period_s: float = CHECK_PERIOD_S):
-        self.answering = answering
-        self.check_period_s = check_period_s
-        self.gone: set[str] = set()
-        self._misses: dict[str, int] = {}
-        self._next_check = time.monotonic() + check_period_s
-
-    def check(self, busy: Sequence[PeerProgress]) -> list[str]:
-        """The peers among `busy` found gone by this check (none between checks)."""
-        if self.answering is None or time.monotonic() < self._next_check:
-            return []
-        self._next_check = time.monotonic() + self.check_period_s
-        asked = [record.peer_id for record in busy if record.reachability == DIRECT]
-        answered = self.answering(asked) if asked else set()
-        found = []
-        for peer_id in asked:
-            misses = 0 if peer_id in answered else self._misses.get(peer_id, 0) + 1
-            self._misses[peer_id] = misses
-            if misses >= self.MISSES:
-                self.gone.add(peer_id)
-                found.append(peer_id)
-        return found
 
 
 def describe_peers(phases: dict[str, str]) -> str:

@@ -32,6 +32,7 @@ from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.polling import poll_intervals
+from p2p_diloco.swarm.liveness import SilentPeers
 from p2p_diloco.swarm.records import AUDIT_OK, RoundReport, RoundReportsValue, rounds_key, signed_records
 
 logger = logging.getLogger(__name__)
@@ -85,11 +86,13 @@ class RoundReports:
     reports (a groupmate that is slow to read must still find the report on the round it waits for,
     after this peer has moved on to the next one)."""
 
-    def __init__(self, dht: DHT, run_name: str, ttl: float, record_subkey: bytes):
+    def __init__(self, dht: DHT, run_name: str, ttl: float, record_subkey: bytes,
+                 answering: Optional[Callable[[list[str]], set[str]]] = None):
         self.dht = dht
         self.key = rounds_key(run_name)
         self.ttl = ttl
         self.record_subkey = record_subkey
+        self.answering = answering  # which of some peers answer on the network (p2p_diloco.swarm.liveness)
         self._published: list[dict] = []  # newest first
 
     def publish(self, outer_step: int, token: str, complete: bool, mean_sha256: Optional[str],
@@ -114,12 +117,18 @@ class RoundReports:
 
     def _wait(self, outer_step: int, tokens: dict[str, str],
               verdict: Callable[[dict[str, RoundReport]], tuple[Optional[Void], bool]], timeout: float,
-              stop: threading.Event) -> tuple[Optional[Void], dict[str, RoundReport]]:
+              stop: threading.Event, dialable: Collection[str] = ()) -> tuple[Optional[Void], dict[str, RoundReport]]:
         """Read the reports of the groupmates in `tokens` (peer ID -> the attempt token it gathered; a
         report counts only if that peer signed it and it names this step and token) until `verdict`
-        of those found is final, or `timeout`: (why the round is void or None, the reports found)."""
+        of those found is final, or `timeout`: (why the round is void or None, the reports found).
+
+        A groupmate in `dialable` (others can dial it) whose report is missing and that does not answer on the
+        network twice in a row (:class:`~p2p_diloco.swarm.liveness.SilentPeers`) left or crashed: the round is
+        void at once, not at the timeout (a member SIGKILLed mid-round cost the others ``commit_timeout``, then
+        more: issue 42's churn check measured 23 s)."""
         deadline = time.monotonic() + timeout
         intervals = poll_intervals(FIRST_REPORT_POLL_S, REPORT_POLL_S)
+        silent = SilentPeers(self.answering)
         while True:
             found = {}
             for peer_id, reports in self._fetch().items():
@@ -131,6 +140,9 @@ class RoundReports:
             void, final = verdict(found)
             if final:
                 return void, found
+            gone = silent.check(sorted(set(tokens) - set(found) & set(dialable)))
+            if gone:
+                return Void(f"groupmate {gone[0][-8:]} does not answer on the network: it left or crashed"), found
             if time.monotonic() >= deadline:
                 missing = len(set(tokens) - set(found))
                 return void or Void(f"no report from {missing} groupmate(s) within {timeout:.0f} s"), found
@@ -139,7 +151,7 @@ class RoundReports:
 
     def agree(
         self, outer_step: int, tokens: dict[str, str], mean_sha256: str, timeout: float, stop: threading.Event,
-        received: Optional[dict[str, str]] = None, relayed: Collection[str] = (),
+        received: Optional[dict[str, str]] = None, relayed: Collection[str] = (), dialable: Collection[str] = (),
     ) -> tuple[Optional[Void], dict[str, RoundReport]]:
         """(None if every groupmate reported the same complete mean, else why the round is void; the
         groupmates' reports on the round, by peer ID).
@@ -147,13 +159,14 @@ class RoundReports:
         `tokens` maps each groupmate's peer ID (as the all-reduce group knows it) to the attempt token
         it gathered. `received`: for each reducer, the sha256 of the averaged parts this peer got from
         it; a reducer whose report states others is the void's culprit unless it is in `relayed` (see
-        :func:`judge`).
+        :func:`judge`). `dialable`: the groupmates whose silence on the network says they are gone (:meth:`_wait`).
         """
         return self._wait(outer_step, tokens,
-                          lambda found: judge(found, set(tokens), mean_sha256, received or {}, relayed), timeout, stop)
+                          lambda found: judge(found, set(tokens), mean_sha256, received or {}, relayed), timeout, stop,
+                          dialable)
 
     def audited(self, outer_step: int, tokens: dict[str, str], auditors: dict[str, str], timeout: float,
-                stop: threading.Event) -> Optional[Void]:
+                stop: threading.Event, dialable: Collection[str] = ()) -> Optional[Void]:
         """None once every reducer's auditor has reported it sound; else why the round is void.
 
         `auditors` maps each audited reducer to its auditor (groupmates in `tokens`); an auditor's
@@ -170,4 +183,4 @@ class RoundReports:
                     return Void(f"the audit of reducer {reducer[-8:]} by {auditor[-8:]} found: {said}"), True
             return (Void(f"no verdict on {len(auditors)} reducer(s) in time") if waiting else None), not waiting
 
-        return self._wait(outer_step, {a: tokens[a] for a in auditors.values()}, verdict, timeout, stop)[0]
+        return self._wait(outer_step, {a: tokens[a] for a in auditors.values()}, verdict, timeout, stop, dialable)[0]

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import secrets
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Collection, Optional, Sequence, Union
 
 import torch
 from hivemind import DHT
@@ -34,6 +35,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from p2p_diloco.config import SwarmConfig
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.remote_input import parse
+from p2p_diloco.swarm.liveness import answering
 from p2p_diloco.swarm.records import AUDIT_OK, RoundReport
 from p2p_diloco.sync.audit import RoundDigests
 from p2p_diloco.sync.commit import RoundReports, Void
@@ -263,7 +265,8 @@ class OuterSync:
         self.cfg = cfg
         self.client_mode = client_mode
         self.peer_id = dht.peer_id.to_base58()
-        self.reports = RoundReports(dht, run_name, ttl=cfg.progress_ttl, record_subkey=record_subkey)
+        self.reports = RoundReports(dht, run_name, ttl=cfg.progress_ttl, record_subkey=record_subkey,
+                                    answering=functools.partial(answering, dht))
         buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
         self.averager = SwarmAverager(
             buffers,
@@ -330,12 +333,13 @@ class OuterSync:
         report = dict(complete=True, mean_sha256=mean_sha256, inputs=digests.inputs, outputs=digests.outputs)
         self.reports.publish(outer_step, token, **report)
         groupmates = {pid: tok for pid, tok in result.tokens.items() if pid != self.peer_id}
+        dialable = membership.dialable if membership is not None else ()  # whose silence says they are gone
         void, reports = self.reports.agree(outer_step, groupmates, mean_sha256, self.cfg.commit_timeout, stop,
-                                           received=digests.outputs, relayed=digests.relayed)
+                                           received=digests.outputs, relayed=digests.relayed, dialable=dialable)
         if void is not None and void.culprit is not None:
             self.averager.ban(void.culprit, "different averaged parts to different peers", void.reason)
         times.agreed = time.monotonic()
-        void = void or self._audit(outer_step, token, digests, reports, report, stop)
+        void = void or self._audit(outer_step, token, digests, reports, report, stop, dialable)
         if void is not None:
             raise RoundFailed(f"round void: {void}", tensors_touched=True)
         times.audited = time.monotonic()
@@ -343,7 +347,7 @@ class OuterSync:
         return result
 
     def _audit(self, outer_step: int, token: str, digests: RoundDigests, reports: dict[str, RoundReport],
-               report: dict, stop: threading.Event) -> Optional[Void]:
+               report: dict, stop: threading.Event, dialable: Collection[str] = ()) -> Optional[Void]:
         """Audit the reducers this peer audits, publish the verdicts, and wait for every other auditor's:
         None if every reducer of the round passed (see p2p_diloco.sync.audit), else why the round is void.
 
@@ -364,7 +368,7 @@ class OuterSync:
         if failed is not None:
             return Void(f"this peer's audit of reducer {failed[-8:]} found: {verdicts[failed]}")
         others = {reducer: auditor for reducer, auditor in digests.auditors.items() if auditor != self.peer_id}
-        return self.reports.audited(outer_step, digests.tokens, others, 2 * timeout, stop) if others else None
+        return self.reports.audited(outer_step, digests.tokens, others, 2 * timeout, stop, dialable) if others else None
 
     def _all_reduce(
         self, delta: PendingDelta, samples: int, outer_step: int, global_sha256: str, fragment: int, token: str,

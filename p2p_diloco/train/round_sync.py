@@ -17,9 +17,11 @@ round (``round_skipped``) instead of waiting out the leaders' windows.
 
 **A failure costs the failed peer, not the step.** When a member dies mid-round, the round is void
 for the group (a reducer's parts are lost, or its commit report never comes). Every survivor then
-averages the same pseudo-gradient again, with a fresh attempt token, in a group planned without the
-members that no longer answer on the network, up to ``swarm.round_attempts`` attempts in all. Every
-survivor sees the same void round (:mod:`p2p_diloco.sync.commit`), so every survivor tries again.
+averages the same pseudo-gradient again, with a fresh attempt token, in a group planned among the
+members of the failed attempt's plan, without those that no longer answer on the network (a peer that
+became ready meanwhile was not in that round: the retry does not wait for it), up to
+``swarm.round_attempts`` attempts in all. Every survivor sees the same void round
+(:mod:`p2p_diloco.sync.commit`), so every survivor tries again.
 """
 
 from __future__ import annotations
@@ -34,9 +36,8 @@ import torch
 
 from p2p_diloco.protocol.membership import plan_membership
 from p2p_diloco.protocol.plans import plan_averaging
-from p2p_diloco.protocol.view import PeerProgress, ready_at, round_closing, went_on_without
+from p2p_diloco.protocol.view import PeerProgress, dialable, ready_at, round_closing, went_on_without
 from p2p_diloco.swarm.progress import SwarmProgress
-from p2p_diloco.swarm.reachability import DIRECT
 from p2p_diloco.sync.outer_sync import GroupMean, LeftBehind, OuterSync, PendingDelta, RoundFailed
 
 logger = logging.getLogger(__name__)
@@ -106,9 +107,11 @@ class RoundSync:
         if plan.action == "alone":
             return self._alone(to_send, samples)
         failed: list[str] = []
+        membership = None
         for attempt in range(1, self.attempts + 1):
             membership = plan_membership(records, step, global_sha256, self.peer_id, self.reachability_mode,
-                                         self._next_attempt_at(step))
+                                         self._next_attempt_at(step),
+                                         among=None if membership is None else membership.members)
             if membership is not None:
                 logger.info("outer step %d: %d peer(s) ready to average; leader %s", step + 1, membership.expected,
                             " then ".join(leader[-8:] for leader in membership.leaders))
@@ -168,8 +171,7 @@ class RoundSync:
         peers a failed attempt lost); all of them when this peer cannot ask."""
         if self.progress.answering is None:
             return records
-        ready = [pid for pid, r in ready_at(records, step).items()  # only a peer others can dial can be asked
-                 if pid != self.peer_id and r.reachability == DIRECT]
+        ready = [pid for pid in dialable(ready_at(records, step)) if pid != self.peer_id]
         answering = self.progress.answering(ready) if ready else set()
         return {pid: r for pid, r in records.items() if pid not in ready or pid in answering}
 

@@ -232,8 +232,10 @@ class SimPeer:
             return f"skipped: {plan.reason}"
         if plan.action == "alone":
             return self.apply(self.swarm.commit_alone(self, self.sent()), "alone")
+        membership = None
         for attempt in range(1, settings.attempts + 1):
-            membership = plan_membership(records, step, sha, self.peer_id, DIRECT, self.next_attempt(step))
+            membership = plan_membership(records, step, sha, self.peer_id, DIRECT, self.next_attempt(step),
+                                         among=None if membership is None else membership.members)
             outcome = yield from self.average(step, sha, membership)
             if outcome == "left behind":
                 return "skipped: its group averaged without it"

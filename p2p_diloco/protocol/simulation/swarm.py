@@ -41,7 +41,9 @@ class SimSettings:
     round_wait_timeout: float = 30.0
     attempts: int = 2  # swarm.round_attempts
     window_s: float = 6.0  # 3 × swarm.matchmaking_time
-    failure_detection_s: float = 10.0  # swarm.commit_timeout: a member lost mid-round
+    # a member lost mid-round: its missing parts, or (lost after the all-reduce) its silence on the network, two
+    # ALIVE checks 2 s apart (swarm.liveness.SilentPeers), where the wait for its report took commit_timeout
+    failure_detection_s: float = 4.0
     download_s: float = 1.0
     ttl: float = 60.0  # swarm.progress_ttl
     update_check: str = "clip"  # or "void": the rule before issue 42
