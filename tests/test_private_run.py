@@ -122,6 +122,7 @@ def events(metrics, name: str) -> list[dict]:
     return [r for r in read_metrics(metrics) if r["event"] == name] if metrics.exists() else []
 
 
+@pytest.mark.long  # CI checks each refusal in-process above: the screen, the records, an unlisted identity at start-up
 @pytest.mark.swarm
 @pytest.mark.timeout(300)
 def test_a_private_run_refuses_every_identity_it_does_not_list(processes, tmp_path):

@@ -64,6 +64,7 @@ def test_a_newcomer_continues_from_the_runs_store_and_without_one_stops_rather_t
     assert "skipping outer step 4" in processes.log("newcomer")
 
 
+@pytest.mark.long  # the keeper's following and serving are checked in CI by tests/test_nat.py's keeper test
 @pytest.mark.swarm
 @pytest.mark.timeout(420)
 def test_the_bootstrap_node_keeps_the_run_for_a_newcomer_after_its_peers_left(processes, tmp_path):
