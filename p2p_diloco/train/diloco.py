@@ -121,8 +121,14 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
             while not self._stopping():
                 if max_outer_steps is not None and self.global_model.outer_step >= max_outer_steps:
                     break
-                records = self._records_for_plan()
+                records, read_now = self._records_for_plan()
                 move = self._next_move(records)
+                if move.action == WAIT and not read_now:
+                    # a wait is decided on a read now: in the records read while the sync ran, the groupmates may
+                    # still train at the step before, and with the run's history ahead (a liar's claim of step
+                    # 1,000,000 in CI) the peer sat out the catch-up poll, 5 s, at many of its steps
+                    records = self.progress.fetch()
+                    move = self._next_move(records)
                 if move.action == LOAD:
                     if self._load_from_peers(move.load, records):
                         continue
@@ -213,15 +219,18 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
             self._not_applied(step, outcome)
         self.view.training(outer_step=self.global_model.outer_step)
 
-    def _records_for_plan(self) -> dict[str, PeerProgress]:
-        """The run's records for the next round's plan. After an applied round, those read while its sync ran
-        (:meth:`_round`): a DHT read takes 30-100 ms on 2 loaded cores, up to 0.8 s, and the inner loop would
-        stand still for it. In them the group's records, this peer's own included, may still say ready at the
-        step before: committing their way here, as they are, so the plan does not vote at this step
-        (``plan_round``), and a peer far ahead was read all the same. After anything else (a failed or skipped
-        round, a load, the start), a read now: where this peer stands in the run is the question then."""
+    def _records_for_plan(self) -> tuple[dict[str, PeerProgress], bool]:
+        """The run's records for the next round's plan, and whether they were read now. After an applied round,
+        those read while its sync ran (:meth:`_round`): a DHT read takes 30-100 ms on 2 loaded cores, up to
+        0.8 s, and the inner loop would stand still for it. In them the group's records, this peer's own
+        included, may still say ready at the step before: committing their way here, as they are, so the plan
+        does not vote at this step (``plan_round``), and a peer far ahead was read all the same. After anything
+        else (a failed or skipped round, a load, the start), a read now: where this peer stands in the run is
+        the question then."""
         read, self._records_read = self._records_read, None
-        return self.progress.fetch() if read is None else read.result()  # bounded by the DHT's timeouts
+        if read is None:
+            return self.progress.fetch(), True
+        return read.result(), False  # bounded by the DHT's timeouts
 
     def _abandon_round(self) -> None:
         """The inner loop ends before the Δ of a round whose sync began: that sync ends now, with nothing
