@@ -415,8 +415,8 @@ def run_unlisted_peer(args, stop: threading.Event) -> None:
     import p2p_diloco.train.round_sync as round_sync
     planned = round_sync.plan_membership
 
-    def asking_to_join(records, step, sha256, peer_id, reachability, attempt=1):  # asks the run's leaders, never leads
-        plan = planned(records, step, sha256, peer_id, reachability, attempt)
+    def asking_to_join(records, step, sha256, peer_id, reachability, attempt=1, among=None):  # never leads
+        plan = planned(records, step, sha256, peer_id, reachability, attempt, among)
         if plan is None or plan.leaders[:1] != (peer_id,) or len(plan.leaders) == 1:
             return plan
         return dataclasses.replace(plan, leaders=plan.leaders[1:])
