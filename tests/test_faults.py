@@ -24,7 +24,7 @@ from tests.swarm_helpers import (
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
 
-@pytest.mark.long
+@pytest.mark.long  # CI: the simulation's slow_peer scenario; the silent-peer rule in tests/test_progress_plan.py
 def test_a_slow_peer_contributes_what_it_managed_and_killed_in_its_inner_steps_costs_only_itself(processes, tmp_path):
     # peer2 sleeps 0.3 s per inner step: several times slower than the others, it spends most of every round
     # in inner steps, where the kill lands. Records and the wait for groupmates last 10 minutes: only noticing
@@ -94,7 +94,7 @@ def test_kill_mid_allreduce(processes, tmp_path):
     assert all(r["samples"] > samples_per_round for r in retried), retried
 
 
-@pytest.mark.long
+@pytest.mark.long  # CI: freezes in the simulation's seeds and its left_behind_after_the_run_left scenario
 def test_freeze_mid_allreduce_then_resume(processes, tmp_path):
     _, _, metrics = swarm(processes, tmp_path, 3, {2: PAUSE_IN_SECOND_ROUND})
     wait_for_pause(processes, "peer2")
@@ -110,7 +110,7 @@ def test_freeze_mid_allreduce_then_resume(processes, tmp_path):
     assert_consistent(metrics)
 
 
-@pytest.mark.long
+@pytest.mark.long  # CI: joiners that go past failing donors, tests/test_hostile.py's donors' test
 def test_kill_while_serving_state(processes, tmp_path):
     # each donor pauses 2 s after the first part of its state (less than next_chunk_timeout): the kill
     # lands mid-transfer, and the joiner must go on to the other donor
@@ -220,7 +220,7 @@ def test_stop_signal_mid_sync_to_peer_group_or_unit(processes, tmp_path):
     print("seconds from the signal to the exit:", exit_seconds)
 
 
-@pytest.mark.long
+@pytest.mark.long  # CI: tests/test_checkpoint_restart.py, a peer killed between syncs resumes
 def test_restart_from_checkpoint(processes, tmp_path):
     maddr, config, metrics = swarm(processes, tmp_path, 3)
     ckpt = tmp_path / "ckpt"

@@ -136,7 +136,7 @@ def test_delta_scaled_by_100_or_replaced_by_noise_cannot_poison_theta_global(pro
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.long
+@pytest.mark.long  # CI: the 100·Δ swarm above; the median cap on claims in tests/test_robust.py
 def test_delta_scaled_by_3_or_flipped_with_an_inflated_sample_claim_cannot_poison_theta_global(processes, tmp_path):
     """3·Δ (issue 19: +11 % held-out loss), and −Δ weighted by a claim of 2^48 samples, from 2 of 5 peers: with
     DiLoCo's exact mean the claim makes the liar's −Δ the mean; capped at the group's median, it is a plain
@@ -145,7 +145,7 @@ def test_delta_scaled_by_3_or_flipped_with_an_inflated_sample_claim_cannot_poiso
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.long
+@pytest.mark.long  # CI: tests/test_reducer_audit.py, caught by the auditor, banned for equivocating
 def test_a_reducer_that_returns_garbage_or_equivocates_is_caught(processes, tmp_path):
     """A reducer that returns 100 × the mean plus noise to everyone, and one that returns a different
     value to each sender, in one swarm of 3 honest peers: both must be caught, and the honest peers must

@@ -112,7 +112,7 @@ def write_jsonl_dataset(folder, files: int, docs_per_file: int):
     return folder
 
 
-@pytest.mark.long
+@pytest.mark.long  # CI: the shard choice in tests/test_status_records.py, a stream's resume in tests/test_data.py
 def test_peers_of_a_sharded_stream_read_their_own_shard_and_resume_it(processes, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the peers inherit it: no hub, a local dataset
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -180,7 +180,7 @@ VICTIM_FAULTS = f"allreduce_delay=60,allreduce_send_delay=60,allreduce_delay_rou
 
 @pytest.mark.swarm
 @pytest.mark.timeout(600)
-@pytest.mark.long
+@pytest.mark.long  # CI: the kill in test_faults.py, rounds through relays in tests/test_exact_allreduce.py
 def test_six_peers_average_as_one_and_a_member_killed_mid_round_costs_only_itself(processes, tmp_path):
     """6 peers, every round in groups of 3 (p2p_diloco.sync.relay: parts cross two links where a sender and
     a reducer share neither group nor column), so the victim dies as a sender, a reducer and a relay."""

@@ -69,7 +69,7 @@ def test_the_bootstrap_node_reduces_when_every_peer_is_natted(processes, tmp_pat
     assert "reduced outer step 4 for 3 unreachable peer(s)" in processes.log("bootstrap")
 
 
-@pytest.mark.long
+@pytest.mark.long  # CI: the kill in test_faults.py, NAT in the keeper's test below
 def test_natted_peer_killed_mid_allreduce(processes, tmp_path, topology):
     # home1, a client, pauses after the first part it sends in its second all-reduce: the kill lands there
     _, _, peers = start_swarm(processes, tmp_path, topology, public=2, homes=2,
