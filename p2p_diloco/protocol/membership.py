@@ -61,9 +61,8 @@ def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sh
     ready = ready_at(records, outer_step, global_sha256)
     members = {pid: r.reachability for pid, r in ready.items() if among is None or pid in among}
     members[peer_id] = reachability
-    leaders = sorted((pid for pid, mode in members.items() if mode == DIRECT),
-                     key=lambda pid: leader_rank(outer_step, global_sha256, pid, attempt))[:MAX_LEADERS]
+    dialable = sorted(pid for pid, mode in members.items() if mode == DIRECT)
+    leaders = sorted(dialable, key=lambda pid: leader_rank(outer_step, global_sha256, pid, attempt))[:MAX_LEADERS]
     if not leaders:
         return None
-    return Membership(tuple(leaders), tuple(sorted(members)), tuple(sorted(pid for pid, mode in members.items()
-                                                                        if mode == DIRECT)))
+    return Membership(tuple(leaders), tuple(sorted(members)), tuple(dialable))
