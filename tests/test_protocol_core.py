@@ -102,3 +102,13 @@ def test_refused_states_and_distrusted_peers_count_nowhere_but_history_outlives_
     assert ledger.history(seen, wall_now=130.0).outer_step == 5
     ledger.refuse(peers=["y", "me"])
     assert ledger.history(seen, wall_now=130.0) is None and "me" not in ledger.distrusted
+
+
+def test_a_former_groupmates_word_counts_first_until_it_is_distrusted():
+    ledger = TrustLedger("me")
+    ledger.averaged_with(["x", "y", "me"])  # a round's members, this peer among them
+    assert ledger.trusted_word() == {"x", "y"}
+    ledger.refuse(peers=["y"])  # it served a refused state, or the averager banned it
+    assert ledger.trusted_word() == {"x"}
+    ledger.averaged_with(["y"])  # meeting it again earns nothing back
+    assert ledger.trusted_word() == {"x"}

@@ -7,7 +7,10 @@ records: a record seen once stands until it expires or its author replaces it, :
 * set-aside claims: a record that claims a state nobody served, or one this peer would not load on so few
   vouchers, until its author claims another step, this peer loads that state, or :data:`ASIDE_S` pass;
 * refused states: a state that failed the state check, for the rest of the run;
-* distrusted peers: identities that served a malformed or refused state, for the rest of the run.
+* distrusted peers: identities that served a malformed or refused state, or that this peer's averager banned
+  (malformed group data or parts, a reducer's wrong or two-faced result), for the rest of the run;
+* former groupmates: identities it averaged with, and the run's bootstrap nodes, whose word on a state counts
+  first (:func:`~p2p_diloco.protocol.trust.choose_target`), unless it distrusts them since.
 
 From both, :meth:`TrustLedger.split` gives the live records a plan counts and those it set aside, and
 :meth:`TrustLedger.history` the latest step the run was seen at. Nothing here reads a clock: `now` is
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 from p2p_diloco.protocol.view import LEFT, LOADING, PeerProgress, RunHistory
 
@@ -69,7 +72,8 @@ class TrustLedger:
     # peer ID -> the claim set aside (outer step, sha256) and until when (DHT time)
     unverified: dict[str, tuple[int, str, float]] = field(default_factory=dict)
     refused_states: set[str] = field(default_factory=set)  # sha256 of states that failed the state check
-    distrusted: set[str] = field(default_factory=set)  # identities that served a malformed or refused state
+    distrusted: set[str] = field(default_factory=set)  # served a malformed or refused state, or banned
+    groupmates: set[str] = field(default_factory=set)  # averaged with this peer, or the run's bootstrap nodes
 
     def counts(self, record: PeerProgress) -> bool:
         """Whether `record` is one this peer takes into account at all (its own always is)."""
@@ -118,8 +122,16 @@ class TrustLedger:
         self.unverified = {peer: claim for peer, claim in self.unverified.items()
                            if claim[:2] != (outer_step, sha256)}
 
-    def refuse(self, sha256: Optional[str] = None, peers: Sequence[str] = ()) -> None:
+    def refuse(self, sha256: Optional[str] = None, peers: Iterable[str] = ()) -> None:
         """Refuse the state `sha256` and distrust `peers` for the rest of the run."""
         if sha256 is not None:
             self.refused_states.add(sha256)
         self.distrusted.update(peer for peer in peers if peer != self.peer_id)
+
+    def averaged_with(self, peers: Iterable[str]) -> None:
+        """This peer averaged with `peers`: their word on a state counts first from now on."""
+        self.groupmates.update(peer for peer in peers if peer != self.peer_id)
+
+    def trusted_word(self) -> frozenset[str]:
+        """The identities whose word on a state counts first: former groupmates not distrusted since."""
+        return frozenset(self.groupmates - self.distrusted)

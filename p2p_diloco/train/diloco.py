@@ -340,6 +340,9 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
         if event == ROUND_STOPPED:
             return
         logger.warning("outer step %d: %s; applying nothing this round", step + 1, reason)
+        # a round the averager banned someone in (malformed group data or parts, a wrong or two-faced reducer) is
+        # void: from now on that identity's records count in no plan either (one trust ledger, protocol/ledger.py)
+        self.progress.refuse(peers=self.sync.averager.banned_peers() or ())
         self.rounds_not_applied += 1
         self.view.not_applied(self.rounds_not_applied)
         if self.rounds_not_applied == EXCLUDED_AFTER_ROUNDS:
@@ -354,7 +357,7 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
         `to_send` is what it sent (Δ plus the residual it owed), and `lead_steps` ran after it said it was
         ready."""
         mean_loss = self.local.contribution.synced(fragment, samples)
-        self.groupmates.update(peer for peer in result.tokens if peer != self.peer_id)
+        self.progress.ledger.averaged_with(result.tokens)
         indices = self.schedule.fragments[fragment]
         self.local.sent(indices, to_send, result.sent)
         self.island.pull()  # the inner steps run while the sync was in flight

@@ -128,10 +128,6 @@ class RunMember(StateLoading, Checkpointing):
         self._state_lock = threading.Lock()  # guards θ_global while a joiner downloads it
         self.checkpoint_dir = cfg.swarm.checkpoint_dir or None
         self.last_group_size = 1
-        self.distrusted_donors: set[str] = set()  # peers that served a malformed or refused state
-        # identities this peer has averaged with, and the run's bootstrap nodes (its keepers): their word on a
-        # state counts first (train/state_check.py)
-        self.groupmates: set[str] = set(trusted_peers)
         self.settings = settings
         self.fingerprint = fingerprint = settings_fingerprint(settings)
         # the run's checkpoint store, if it has one (StoreError before anything starts if fsspec cannot open it):
@@ -147,6 +143,8 @@ class RunMember(StateLoading, Checkpointing):
         self.progress = SwarmProgress(node.dht, cfg.run.name, cfg.swarm.progress_ttl, node.identity.record_subkey,
                                       fingerprint, node.reachability.mode,
                                       answering=functools.partial(answering, node.dht))
+        # the run's bootstrap nodes (its keepers): their word on a state counts first, as a former groupmate's does
+        self.progress.ledger.averaged_with(trusted_peers)
         self.assistance = None if node.reachability.can_reduce else self._ask_for_assistance(node, fingerprint)
         self.sync = OuterSync(node.dht, cfg.run.name, fingerprint, node.identity.record_subkey,
                               [p.shape for p in self.local_params], cfg.swarm, state_provider=self._serve_state,

@@ -41,7 +41,7 @@ class StateLoading:
         """This peer's move before its next round (:func:`p2p_diloco.protocol.decide.next_move`) from `records` and
         what its ledger holds now; a jump it declines is said, and its claims set aside."""
         move = next_move(records, self.progress.set_aside_records, self.peer_id, self.global_model.outer_step,
-                         self.sha256, self.progress.history(), frozenset(self.groupmates - self.distrusted_donors),
+                         self.sha256, self.progress.history(), self.progress.ledger.trusted_word(),
                          may_load)
         if move.declined is not None:
             self._decline_jump(move.declined, move.vouch_counts)
@@ -71,14 +71,15 @@ class StateLoading:
         expected = StateExpectation(tuple(tuple(p.shape) for p in self.local_params), plan.target_step,
                                     plan.target_sha256)
         pushed = self._pushed_state(expected)  # nobody can download from an unreachable peer
+        distrusted = set(self.progress.ledger.distrusted)  # the download adds the donors of malformed states
         try:
             state, failed_donors = (pushed, {}) if pushed is not None else download_global_state(
-                self.sync.averager, expected, self.distrusted_donors, self.cfg.swarm.state_download_timeout,
+                self.sync.averager, expected, distrusted, self.cfg.swarm.state_download_timeout,
                 should_stop=self._stopping,
             )
         finally:
             self.sync.share_state(True)
-        self.progress.refuse(peers=sorted(self.distrusted_donors))  # nor do their records count in any plan
+        self.progress.refuse(peers=sorted(distrusted))  # not asked again, nor do their records count in any plan
         failures = {peer: str(why) for peer, why in failed_donors.items()}
         if state is None:
             self._load_failed()
@@ -133,7 +134,6 @@ class StateLoading:
     def _refuse_state(self, state: GlobalState, plan: RoundPlan, problem: str, failures: dict[str, str]) -> None:
         """A downloaded state that failed the state check: refused like a malformed one (its donor is not
         asked again), and no plan targets it again."""
-        self.distrusted_donors.add(state.donor)
         self.progress.refuse(state.sha256, [state.donor])
         logger.warning("refusing the state at outer step %d (%s) from peer %s: %s; training on from outer step %d",
                        state.outer_step, state.sha256[:12], state.donor, problem, self.global_model.outer_step)

@@ -72,7 +72,6 @@ class SimPeer:
     inner_steps: int = 0  # of its inner learning rate's schedule
     seen: Seen = field(default_factory=dict)
     own: Optional[PeerProgress] = None
-    groupmates: set[str] = field(default_factory=set)
     set_aside_records: dict[str, PeerProgress] = field(default_factory=dict)
     counts: PeerCounts = field(default_factory=PeerCounts)
     last_progress: float = 0.0  # when it last took or loaded an outer step (or joined)
@@ -142,7 +141,7 @@ class SimPeer:
         """The move before its next round (:func:`~p2p_diloco.protocol.decide.next_move`), from `records` and what
         its ledger holds now; a jump it declines has its claims set aside."""
         move = next_move(records, self.set_aside_records, self.peer_id, self.outer_step, self.sha256,
-                         self.ledger.history(self.seen, self.now), frozenset(self.groupmates - self.ledger.distrusted),
+                         self.ledger.history(self.seen, self.now), self.ledger.trusted_word(),
                          may_load)
         if move.declined is not None:
             self.log(f"not loading outer step {move.declined.target_step}: {move.vouch_counts}")
@@ -315,7 +314,7 @@ class SimPeer:
             return f"void: {verdict.reason}"
         self.counts.void_streak = 0
         self.counts.samples_counted += self.held_samples
-        self.groupmates.update(m for m in members if m != self.peer_id)
+        self.ledger.averaged_with(members)
         self.adopt(state, how)
         return how
 
