@@ -26,7 +26,7 @@ import secrets
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 PUBLIC_NET = "10.77.0"
 
@@ -53,12 +53,13 @@ def unavailable() -> Optional[str]:
     return None
 
 
-def required_marks(tests: str) -> list:
-    """The pytest marks of a module of `tests` that need namespaces: a skip where they cannot be made; on CI
-    (.ci/run sets P2P_DILOCO_REQUIRE_NETNS) RuntimeError instead, since CI must run them."""
+def required_marks(tests: str, check: Callable[[], Optional[str]] = unavailable) -> list:
+    """The pytest marks of a module of `tests` that need namespaces (`check` says why they cannot be made, or
+    None): a skip where they cannot be made; on CI (.ci/run sets P2P_DILOCO_REQUIRE_NETNS) RuntimeError instead,
+    since CI must run them."""
     import pytest
 
-    why_not = unavailable()
+    why_not = check()
     if why_not and os.environ.get("P2P_DILOCO_REQUIRE_NETNS"):
         raise RuntimeError(f"{tests} need network namespaces: {why_not}")
     return [pytest.mark.skip(reason=f"{tests} need network namespaces: {why_not}")] if why_not else []
@@ -69,20 +70,16 @@ class Host:
     name: str
     namespace: Optional[str]  # None: this machine's own network (loopback)
     ip: str
-    link: str  # the bridge-side end of its (or its router's) veth pair, where its rate is limited
+    link: str  # the bridge-side end of its (or its router's) veth pair, where its rate is limited; or its TUN device
     router: Optional[str] = None  # the router's namespace, for a home host
 
 
-class Topology:
-    """A public bridge with hosts on it and homes behind NAT routers; :meth:`close` removes it all."""
+class Namespaces:
+    """Network namespaces of one topology, each with its loopback up; :meth:`close` deletes them all."""
 
     def __init__(self):
         self.tag = secrets.token_hex(2)  # namespaces of concurrent or leftover topologies never clash
         self.namespaces: list[str] = []
-        self._public_count = self._home_count = 0
-        self.bridge_ns = self._namespace("br")
-        self._ip(self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        self._ip(self.bridge_ns, "link", "set", "br0", "up")
 
     def _namespace(self, role: str) -> str:
         name = f"dl{self.tag}-{role}"
@@ -94,6 +91,36 @@ class Topology:
     @staticmethod
     def _ip(namespace: str, *args: str) -> None:
         _run("ip", "-n", namespace, *args)
+
+    def command(self, host: Host, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside the host's namespace (`ip netns exec` execs it: the PID is the program's)."""
+        return ["ip", "netns", "exec", host.namespace, *argv]
+
+    def popen(self, host: Host, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(self.command(host, argv), **kwargs)
+
+    def close(self) -> None:
+        """Delete every namespace (with its devices, routes and iptables rules)."""
+        for namespace in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+        self.namespaces.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Topology(Namespaces):
+    """A public bridge with hosts on it and homes behind NAT routers; :meth:`close` removes it all."""
+
+    def __init__(self):
+        super().__init__()
+        self._public_count = self._home_count = 0
+        self.bridge_ns = self._namespace("br")
+        self._ip(self.bridge_ns, "link", "add", "br0", "type", "bridge")
+        self._ip(self.bridge_ns, "link", "set", "br0", "up")
 
     def _veth(self, namespace: str, inside: str, peer_namespace: str, outside: str) -> None:
         _run("ip", "link", "add", inside, "netns", namespace, "type", "veth", "peer", "name", outside,
@@ -150,22 +177,3 @@ class Topology:
         for namespace, device in ((self.bridge_ns, host.link), (inner_ns, inner_dev)):
             _run("ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device, "root", "tbf",
                  "rate", f"{mbit}mbit", "burst", str(burst), "latency", "50ms")
-
-    def command(self, host: Host, argv: Sequence[str]) -> list[str]:
-        """`argv` run inside the host's namespace (`ip netns exec` execs it: the PID is the program's)."""
-        return ["ip", "netns", "exec", host.namespace, *argv]
-
-    def popen(self, host: Host, argv: Sequence[str], **kwargs) -> subprocess.Popen:
-        return subprocess.Popen(self.command(host, argv), **kwargs)
-
-    def close(self) -> None:
-        """Delete every namespace (with its veths, routes and iptables rules)."""
-        for namespace in reversed(self.namespaces):
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
-        self.namespaces.clear()
-
-    def __enter__(self) -> "Topology":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
