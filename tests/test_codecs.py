@@ -248,7 +248,8 @@ def test_bitsandbytes_fp4_is_not_e3m0():
 
 def test_bytes_per_parameter():
     expected = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1 + 4 / 256,
-                "nf4": 0.5 + 4 / 64, "fp4-bnb": 0.5 + 4 / 64, "fp4-e3m0": 0.5 + 4 / 64}
+                "nf4": 0.5 + 4 / 64, "fp4-bnb": 0.5 + 4 / 64, "fp4-e3m0": 0.5 + 4 / 64,
+                "mask8-e3m0": (0.5 + 4 / 64) / 8, "mask16-e3m0": (0.5 + 4 / 64) / 16}
     assert set(expected) == set(CODECS)
     for name, ratio in expected.items():
         assert bytes_per_parameter(name) == ratio
@@ -262,7 +263,7 @@ def test_bytes_per_parameter():
 def test_get_codec():
     for name, codec in CODECS.items():
         assert get_codec(name) is codec and codec.name == name
-    valid = "none, fp16, bf16, int8, nf4, fp4-bnb, fp4-e3m0"
+    valid = "none, fp16, bf16, int8, nf4, fp4-bnb, fp4-e3m0, mask8-e3m0, mask16-e3m0"
     with pytest.raises(ValueError, match=f"unknown codec 'fp8'; valid codecs: {valid}"):
         get_codec("fp8")
 

@@ -134,6 +134,7 @@ class RoundLedger:
     weights: list[float]  # each sender's weight (the samples it gathered), in sender order
     part_numels: dict[PeerID, list[int]]  # reducer -> the values of each of its parts
     auditors: dict[PeerID, PeerID]  # reducer -> its auditor
+    codec: Optional[Codec] = None  # the round's parts' (Codec.for_round); None: the averager's codec as it is
     _sent: dict[PeerID, Any] = field(default_factory=dict)  # reducer -> sha256 of the parts sent it, so far
     _received: dict[PeerID, Any] = field(default_factory=dict)  # reducer -> sha256 of its averaged parts, so far
     kept_outputs: dict[PeerID, list[bytes]] = field(default_factory=dict)  # of the reducers this peer audits
@@ -150,13 +151,13 @@ class RoundLedger:
     @classmethod
     def for_round(cls, peer_id: PeerID, token: str, tokens: dict[PeerID, str], ordered_peer_ids: Sequence[PeerID],
                   senders: Sequence[PeerID], weights: dict[PeerID, float],
-                  part_numels: dict[PeerID, list[int]]) -> "RoundLedger":
+                  part_numels: dict[PeerID, list[int]], codec: Optional[Codec] = None) -> "RoundLedger":
         reducers = [p for p in ordered_peer_ids if part_numels.get(p)]
         by_name = {p.to_base58(): p for p in ordered_peer_ids}
         assigned = auditors({p.to_base58(): t for p, t in tokens.items()}, [r.to_base58() for r in reducers])
         return cls(peer_id, token, dict(tokens), list(senders),
                    [weights[s] for s in senders], dict(part_numels),
-                   {by_name[r]: by_name[a] for r, a in assigned.items()})
+                   {by_name[r]: by_name[a] for r, a in assigned.items()}, codec)
 
     def sent_input(self, reducer: PeerID, data: bytes) -> None:
         """This peer sent `reducer` its next encoded part."""
@@ -385,7 +386,8 @@ class ReducerAudit(DecentralizedAverager):
         parts = dict(zip(senders, await self._fetch_inputs(ledger, reducer)))
         fetched = time.monotonic()
         recomputed = await asyncio.get_event_loop().run_in_executor(
-            None, recompute_results, self.codec, self.aggregation, ledger.part_numels[reducer], senders,
+            None, recompute_results, ledger.codec or self.codec, self.aggregation, ledger.part_numels[reducer],
+            senders,
             ledger.weights, parts, ledger.kept_outputs.get(reducer, []))
         logger.info("audit of reducer %s: its inputs (%.1f MB) fetched in %.2f s, its results recomputed in %.2f s",
                     reducer.to_base58()[-8:], sum(map(len, itertools.chain(*parts.values()))) / 1e6,

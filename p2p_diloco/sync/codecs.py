@@ -5,17 +5,24 @@ Each codec turns a part into bytes and back, and states how far the round trip m
 tensors a DiLoCo run produces and on the edges of each format). A caller that keeps error feedback
 computes the residual ``x − decode(encode(x))`` itself; nothing here holds state between parts.
 
-============  ==========================================  ===========  =================================
-codec         format                                      bytes/param  bound on |x̂ − x| (derived below)
-============  ==========================================  ===========  =================================
-``none``      float32, little-endian                      4            0
-``fp16``      IEEE half                                   2            2^-11·|x|; |x| below 2^-14
-``bf16``      bfloat16                                    2            2^-8·|x|; |x| below 2^-126
-``int8``      bitsandbytes dynamic 8-bit, 256 per block   1.015625     0.0075·absmax of the block
-``nf4``       bitsandbytes NF4, 64 per block              0.5625       0.1520·absmax of the block
-``fp4-bnb``   bitsandbytes FP4 (E2M1), 64 per block       0.5625       0.1668·absmax of the block
-``fp4-e3m0``  sign, 3-bit exponent, no mantissa, 64/blk   0.5625       max(|x|/3, absmax/128)
-============  ==========================================  ===========  =================================
+===============  ==========================================  ===========  =================================
+codec            format                                      bytes/param  bound on |x̂ − x| (derived below)
+===============  ==========================================  ===========  =================================
+``none``         float32, little-endian                      4            0
+``fp16``         IEEE half                                   2            2^-11·|x|; |x| below 2^-14
+``bf16``         bfloat16                                    2            2^-8·|x|; |x| below 2^-126
+``int8``         bitsandbytes dynamic 8-bit, 256 per block   1.015625     0.0075·absmax of the block
+``nf4``          bitsandbytes NF4, 64 per block              0.5625       0.1520·absmax of the block
+``fp4-bnb``      bitsandbytes FP4 (E2M1), 64 per block       0.5625       0.1668·absmax of the block
+``fp4-e3m0``     sign, 3-bit exponent, no mantissa, 64/blk   0.5625       max(|x|/3, absmax/128)
+``mask8-e3m0``   1 value in 8 (the round's mask), fp4-e3m0   0.0703125    fp4-e3m0's on a value sent; |x|
+``mask16-e3m0``  1 value in 16 (the round's mask), fp4-e3m0  0.03515625   fp4-e3m0's on a value sent; |x|
+===============  ==========================================  ===========  =================================
+
+The ``mask`` codecs send the values of a mask that every member of a round draws alike from the round's
+ID (:meth:`Codec.for_round`, :class:`SharedMaskCodec`): each reducer still averages parts of one shape,
+coordinate by coordinate, under any robust rule, and error feedback carries what a round did not send
+into the next, whose mask is another.
 
 The block codecs carry one float32 scale (the block's absolute maximum) per block after the codes:
 4/blocksize bytes per parameter of the figures above (1 + 4/256, 0.5 + 4/64). A block codec's
@@ -54,6 +61,7 @@ and clamping it would hide that.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from abc import ABC, abstractmethod
@@ -147,6 +155,12 @@ class Codec(ABC):
             raise ValueError(f"codec {self.name!r}: the bytes decode to {bad} non-finite values of {numel}: "
                              "the part is malformed")
         return part
+
+    def for_round(self, round_id: bytes) -> "Codec":
+        """This codec as the members of the round `round_id` code their parts (`round_id`: bytes they all hold
+        before any part moves, hivemind's group ID). Itself, for every codec whose format is fixed; a codec that
+        sends a subset of the values (:class:`SharedMaskCodec`) draws the round's subset from it."""
+        return self
 
     @abstractmethod
     def encoded_size(self, numel: int) -> int:
@@ -625,6 +639,111 @@ class E3M0Codec(Codec):
         return _decode_nibbles(self.name, _on_device(device, _e3m0_values), data, numel, self.blocksize, device)
 
 
+# the multipliers of the mask's integer hash (odd, below 2^31 after the first, so that every product of a
+# 32-bit value fits an int64: no overflow, whose result C leaves undefined)
+_MASK_HASH_MULTIPLIERS = (0x9E3779B1, 0x7FEB352D, 0x6C8E9CF5)
+_LOW_32_BITS = 2**32 - 1
+
+
+@functools.lru_cache(maxsize=16)
+def _mask_indices(seed: int, numel: int, stride: int, period: int) -> torch.Tensor:
+    """The index (int64, on the CPU; read only) of the one value a part of `numel` values sends from each group
+    of `stride` consecutive values (the last group may be shorter), in the round whose seed is `seed`.
+
+    Group j sends its value ``h(seed, j mod G) mod (the group's length)``, G = period / stride, where h is an
+    integer hash (a multiply and add, then two rounds of xor-shift and multiply, each kept to 32 bits):
+    integer arithmetic only, so every peer and CPU draws the same mask. The mask repeats every `period`
+    values, so that a span of a part that starts on that grid is coded as it would be alone (a reducer
+    audit's chunk: :mod:`p2p_diloco.sync.spot_check`). Cached: in a round, the parts of one size share
+    their mask, and each is encoded and decoded several times (a sender's part, a reducer's inputs, the mean)."""
+    groups, period_groups = -(-numel // stride), period // stride
+    first, *mixing = _MASK_HASH_MULTIPLIERS
+    h = torch.arange(min(groups, period_groups), dtype=torch.int64).mul_(first).add_(seed).bitwise_and_(_LOW_32_BITS)
+    for multiplier in mixing:
+        h.bitwise_xor_(h >> 16).mul_(multiplier).bitwise_and_(_LOW_32_BITS)
+    h.bitwise_xor_(h >> 16)
+    last, last_hash = numel - (groups - 1) * stride, int(h[(groups - 1) % period_groups])
+    offsets = h.bitwise_and_(stride - 1)  # `stride` is a power of two: its low bits, exactly h mod stride
+    if groups > period_groups:
+        offsets = offsets.repeat(-(-groups // period_groups))[:groups]
+    if last < stride:
+        offsets[-1] = last_hash % last
+    return offsets.add_(torch.arange(0, groups * stride, stride, dtype=torch.int64))
+
+
+@dataclass(frozen=True)
+class SharedMaskCodec(Codec):
+    """A random subset of the values, the same for every peer of a round, each value coded by another codec:
+    one value of every `stride` (SPARTA's random sparse averaging, with a shared seed; here with error feedback,
+    as SparseLoCo keeps it, arXiv 2508.15706).
+
+    Every member of a round codes its parts with the mask drawn from the round's ID (:meth:`for_round`), so all
+    the parts of one reducer have the same values selected, and it aggregates them coordinate by coordinate
+    with any rule of :mod:`p2p_diloco.sync.robust`, as with a dense codec; its mean, coded in the same mask,
+    is what every peer decodes. Each group of `stride` consecutive values of a part sends one value
+    (:func:`_mask_indices`); the selected values, in order, are coded by `values` (wire format: `values`'s
+    bytes of ``ceil(numel / stride)`` values, nothing else: the mask is not sent). Decode puts each decoded
+    value back at its index and 0 everywhere else: a table lookup, a multiply and a copy, the same bits on
+    every CPU. The peer's error feedback (:mod:`p2p_diloco.train.error_feedback`) keeps ``x − decode``, so a
+    value not sent is carried whole into the next round, whose mask is another: a value waits `stride`
+    rounds on average, and is never lost.
+
+    Bound: `values`'s bound on a selected value (of the selected values coded as one part: E3M0's
+    ``max(|x|/3, scale/128)``, its scale the largest of the block's 64 selected values), and ``|x|`` on the
+    others. Bytes: ``values.encoded_size(ceil(numel / stride))``: 0.0703 per parameter for 1 in 8 with
+    E3M0, 0.0352 for 1 in 16. The mask is drawn from each part's start and repeats every `period` values:
+    a span of a part that starts on that grid is coded as it would be alone, and the spot check's chunks
+    do (the whole tensor is coded as its parts are only where they start on that grid; nothing needs it:
+    error feedback takes what was counted of each part). The round's ID is chosen by its leader, as
+    hivemind's group ID is: a hostile leader could choose which values go, not what they are, and error
+    feedback keeps the others for a later round.
+    """
+
+    name: str = "mask8-e3m0"
+    stride: int = 8
+    values: Codec = E3M0Codec()
+    seed: int = 0  # the round's (for_round); 0 for a codec bound to no round
+    # the mask repeats every `period` values (a power of two, a multiple of blocksize): the spot check's chunks
+    # of 16,384 values start on its grid, so each is a slice of the part's bytes (spot_check.sliceable)
+    period: int = 16384
+
+    def __post_init__(self):
+        if isinstance(self.values, SharedMaskCodec) or self.stride < 2 or self.stride & (self.stride - 1):
+            raise ValueError(f"codec {self.name!r}: a stride that is a power of two >= 2 over a dense codec, got "
+                             f"{self.stride} over {self.values.name!r}")
+        if self.period % (self.stride * self.values.blocksize):
+            raise ValueError(f"codec {self.name!r}: a period that is a multiple of {self.stride * self.values.blocksize} "
+                             f"values, got {self.period}")
+        object.__setattr__(self, "blocksize", self.stride * self.values.blocksize)
+        object.__setattr__(self, "reproducible_encode", self.values.reproducible_encode)
+
+    def for_round(self, round_id: bytes) -> "SharedMaskCodec":
+        seed = int.from_bytes(hashlib.sha256(bytes(round_id)).digest()[:4], "little")
+        return dataclasses.replace(self, seed=seed)
+
+    def encoded_size(self, numel: int) -> int:
+        return self.values.encoded_size(-(-numel // self.stride))
+
+    def error_bound(self, part: torch.Tensor) -> torch.Tensor:
+        part = self._checked_part(part)
+        bound = part.abs()
+        if part.numel():
+            index = self._index(part.numel(), part.device)
+            bound[index] = self.values.error_bound(torch.index_select(part, 0, index))
+        return bound
+
+    def _index(self, numel: int, device: torch.device) -> torch.Tensor:
+        return _mask_indices(self.seed, numel, self.stride, self.period).to(device)
+
+    def _encode(self, part: torch.Tensor) -> bytes:
+        return self.values._encode(torch.index_select(part, 0, self._index(part.numel(), part.device)))
+
+    def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
+        index = self._index(numel, device)
+        selected = self.values._decode(data, index.numel(), device)
+        return torch.zeros(numel, dtype=torch.float32, device=device).index_copy_(0, index, selected)
+
+
 CODECS: dict[str, Codec] = {
     codec.name: codec
     for codec in (
@@ -635,6 +754,8 @@ CODECS: dict[str, Codec] = {
         Bnb4BitCodec(name="nf4", quant_type="nf4", fraction_of_absmax=0.1520),
         Bnb4BitCodec(name="fp4-bnb", quant_type="fp4", fraction_of_absmax=0.1668),
         E3M0Codec(),
+        SharedMaskCodec(name="mask8-e3m0", stride=8, values=E3M0Codec(name="mask8-e3m0")),
+        SharedMaskCodec(name="mask16-e3m0", stride=16, values=E3M0Codec(name="mask16-e3m0")),
     )
 }
 

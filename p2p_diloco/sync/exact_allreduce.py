@@ -680,7 +680,7 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
             traffic=self.traffic,
             sender_weights={peer_id: float(meta.samples) for peer_id, meta in metadata.items()},
             screen=self.screen,
-            codec=self.codec,
+            codec=self.codec.for_round(group_id),  # a shared mask is the round's: every member holds its group ID
             rule=self.aggregation,
             sent=None if self.sent is None else [self.sent[i] for i in self.fragments[fragment]],
             relay_group=relay_group_size(meta.relay_group for meta in metadata.values() if meta.role == "peer"),
@@ -745,4 +745,5 @@ def round_ledger(runner: ExactAllReduceRunner, metadata: dict[PeerID, GroupMetad
         runner.ordered_peer_ids, runner.sender_peer_ids, runner.sender_weights,
         {peer_id: [part.numel() for part, _ in container._input_parts_by_peer[index]]
          for index, peer_id in enumerate(runner.ordered_peer_ids)},
+        codec=runner.codec,
     )
