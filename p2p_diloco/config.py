@@ -204,13 +204,16 @@ class OuterConfig:
     # θ_local ← α·θ_local + (1 − α)·θ_global for the synced fragment, once its outer step is applied
     merge_alpha: float = in_range(0.5, 0.0, 1.0)
     # how each reducer aggregates the group's parts (p2p_diloco.sync.robust, docs/security.md): sample claims
-    # capped at the group's median, parts' norms at clip_factor × the median norm, then CenteredClip (radius
-    # clip_factor × the median distance, clip_iterations times) or a trimmed mean (trim_fraction each side);
-    # "mean" is DiLoCo's exact sample-weighted mean, with no protection against a hostile peer
+    # counted up to claim_cap × the group's median claim and while no minority outweighs the rest, parts'
+    # norms at norm_clip × the median norm, then CenteredClip (radius clip_factor × the median distance,
+    # clip_iterations times) or a trimmed mean (trim_fraction each side); "mean" is DiLoCo's exact
+    # sample-weighted mean, with no protection against a hostile peer
     aggregation: str = one_of("centered-clip", *AGGREGATION_NAMES)
     clip_factor: float = _spec(2.0, lambda v: _is_num(v) and v >= 1, "a number >= 1")
     clip_iterations: int = _spec(3, lambda v: _is_int(v) and 1 <= v <= 100, "an integer in [1, 100]")
     trim_fraction: float = in_range(0.25, 0.0, 0.5)
+    claim_cap: float = _spec(4.0, lambda v: _is_num(v) and v >= 1, "a number >= 1")
+    norm_clip: float = _spec(1.0, lambda v: _is_num(v) and v >= 1, "a number >= 1")
     # a round's mean g of a fragment is void on every peer if ‖g‖ > max_update_growth × ‖b‖ (b: the fragment's
     # outer momentum), or ‖g‖ > ‖θ_global‖ at its first outer step (p2p_diloco.train.update_check); 0: no check
     max_update_growth: float = non_negative(16.0)

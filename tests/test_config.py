@@ -157,7 +157,8 @@ def test_config_names_exactly_the_aggregation_rules_that_exist():
 def test_the_aggregation_settings_are_checked_and_part_of_the_fingerprint(tmp_path):
     bad = tmp_path / "bad.toml"
     for setting, value in [("aggregation", '"median"'), ("clip_factor", "0.5"), ("clip_iterations", "0"),
-                           ("trim_fraction", "0.6"), ("max_update_growth", "-1")]:
+                           ("trim_fraction", "0.6"), ("max_update_growth", "-1"), ("claim_cap", "0.5"),
+                           ("norm_clip", "0")]:
         bad.write_text(f"[outer]\n{setting} = {value}\n")
         with pytest.raises(ConfigError, match=f"outer.{setting}"):
             load_config(bad)
@@ -165,3 +166,6 @@ def test_the_aggregation_settings_are_checked_and_part_of_the_fingerprint(tmp_pa
     exact = tmp_path / "exact.toml"
     exact.write_text('[outer]\naggregation = "mean"\n')
     assert run_fingerprint(load_config(exact), "0" * 64) != base
+    for setting in ("claim_cap", "norm_clip"):
+        exact.write_text(f"[outer]\n{setting} = 2.0\n")
+        assert run_fingerprint(load_config(exact), "0" * 64) != base, setting

@@ -181,6 +181,8 @@ class AssistanceRequest(StrictModel):
     clip_factor: FiniteFloat
     clip_iterations: pydantic.conint(strict=True, ge=1, le=100)
     trim_fraction: FiniteFloat
+    claim_cap: FiniteFloat = 4.0  # absent from a request: outer.claim_cap's default
+    norm_clip: FiniteFloat = 1.0  # likewise outer.norm_clip's
     # indices into `shapes` of each Streaming DiLoCo fragment (p2p_diloco.train.fragments); None: one of all
     fragments: Optional[pydantic.conlist(pydantic.conlist(pydantic.conint(strict=True, ge=0, lt=MAX_TENSORS),
                                                            min_items=1, max_items=MAX_TENSORS),

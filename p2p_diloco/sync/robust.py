@@ -5,21 +5,27 @@ with the plain mean, one sender that sends 100·Δ, or claims 2^40 samples, move
 likes (measured in issue 19: 3·Δ from one of 3 peers raised the held-out loss 11 %, 100·Δ ended the
 run for good). The rules here bound what any minority of senders can do to a part, in three steps:
 
-1. **Sample claims capped** at the group's median claim (the trimmed mean uses no weights at all).
-   Nobody can verify a claim, so a weight above the median buys nothing; honest peers of a run, which
-   run the same inner steps, claim about the same (robust rules ignore claimed weights, arXiv
-   1902.06156, for this reason).
-2. **Norms bounded**: each sender's part is scaled down to at most ``clip_factor`` × the median of the
-   parts' norms (the "Gauntlet" of Templar, arXiv 2505.21684, clips updates to the median norm), so a
-   scaled Δ weighs like an honest one.
+1. **Sample claims weighed, within a bound** (:func:`fair_weights`; the trimmed mean uses no weights at
+   all). Nobody can verify a claim (robust rules ignore claimed weights, arXiv 1902.06156, for this
+   reason), but an honest peer that trains more samples per inner step (an island of k ranks, a faster
+   device) should count more. Each claim counts as claimed up to a common cap C: at most ``claim_cap`` ×
+   the group's median claim, and the largest C at which the ⌈n/2⌉ − 1 largest weights (the largest
+   minority a robust rule tolerates) sum to no more than the others'. So any minority of senders
+   together weighs at most what the rest weigh, whatever it claims, and an honest peer counts its
+   samples in full unless it alone (with the next largest claims) would outweigh the rest.
+2. **Norms bounded**: each sender's part is scaled down to at most ``norm_clip`` × the median of the
+   parts' norms (the "Gauntlet" of Templar, arXiv 2505.21684, clips updates to the median norm; at
+   ``norm_clip = 1``, the default, a scaled Δ becomes no larger than the median honest part, so scaling
+   buys nothing).
 3. **A robust centre** of the bounded parts:
 
    * ``centered-clip`` (Karimireddy, He & Jaggi, arXiv 2012.10333, eq. (CC); run inside the butterfly
      by BTARD, Gorbunov et al., arXiv 2106.11257): from the coordinate-wise median v₀,
-     ``v ← v + Σᵢ wᵢ·(xᵢ − v)·min(1, τ/‖xᵢ − v‖) / Σᵢ wᵢ``, ``clip_iterations`` times, with radius
-     ``τ = clip_factor`` × the median distance ‖xᵢ − v₀‖. A sender pulls v by at most τ·wᵢ/Σw per
-     iteration, however far it is; honest parts within τ count fully, and when all of them are
-     within τ one iteration gives their weighted mean.
+     ``v ← v + Σᵢ wᵢ·(xᵢ − v)·min(1, τᵢ/‖xᵢ − v‖) / Σᵢ wᵢ``, ``clip_iterations`` times, with radius
+     ``τ = clip_factor`` × the median distance ‖xᵢ − v₀‖, shrunk for a sender weighing more than the
+     mean weight W/n to τᵢ = τ·(W/n)/wᵢ (weight-aware: see :func:`centered_clip`). A sender pulls v by at
+     most τ/n per iteration, whatever its weight and however far it is; honest parts within their τᵢ
+     count fully, and when all of them are within it one iteration gives their weighted mean.
    * ``trimmed-mean``: per coordinate, the ⌈trim_fraction·n⌉ largest and smallest values dropped (at
      most (n − 1)/2 each side, so the median is left for 3 senders), the rest averaged (unweighted).
    * ``mean``: DiLoCo's exact weighted mean (:func:`weighted_mean`), with the claims as they are:
@@ -54,9 +60,11 @@ class AggregationRule:
     """A run's rule for a reducer's parts (``[outer]`` settings, part of the run's fingerprint)."""
 
     name: str = "centered-clip"
-    clip_factor: float = 2.0  # each part's norm at most this × the median norm; CenteredClip's τ likewise
+    clip_factor: float = 2.0  # CenteredClip's radius τ: this × the median distance to the coordinate median
     clip_iterations: int = 3  # of CenteredClip
     trim_fraction: float = 0.25  # of the trimmed mean, each side
+    claim_cap: float = 4.0  # no claim counts above this × the group's median claim (1: the median cap)
+    norm_clip: float = 1.0  # each part's norm at most this × the median norm
 
     def __post_init__(self):
         if self.name not in RULES:
@@ -67,6 +75,10 @@ class AggregationRule:
             raise ValueError(f"clip_iterations {self.clip_iterations}: an integer >= 1")
         if not 0 <= self.trim_fraction <= 0.5:
             raise ValueError(f"trim_fraction {self.trim_fraction}: a number in [0, 0.5]")
+        for setting in ("claim_cap", "norm_clip"):
+            value = getattr(self, setting)
+            if not (math.isfinite(value) and value >= 1):
+                raise ValueError(f"{setting} {value}: a number >= 1")
 
 
 EXACT_MEAN = AggregationRule("mean")
@@ -74,9 +86,10 @@ EXACT_MEAN = AggregationRule("mean")
 
 def aggregation_rule(settings) -> AggregationRule:
     """The rule that `settings` name: the run's ``[outer]`` (:class:`~p2p_diloco.config.OuterConfig`), or an
-    assistance request, which carries the same four fields. ValueError if they are not a valid rule."""
-    return AggregationRule(settings.aggregation, settings.clip_factor, settings.clip_iterations,
-                           settings.trim_fraction)
+    assistance request, which carries the same fields. ValueError if they are not a valid rule."""
+    return AggregationRule(settings.aggregation, clip_factor=settings.clip_factor,
+                           clip_iterations=settings.clip_iterations, trim_fraction=settings.trim_fraction,
+                           claim_cap=settings.claim_cap, norm_clip=settings.norm_clip)
 
 
 def aggregate(parts: Sequence[torch.Tensor], claims: Sequence[float], rule: AggregationRule) -> torch.Tensor:
@@ -86,10 +99,10 @@ def aggregate(parts: Sequence[torch.Tensor], claims: Sequence[float], rule: Aggr
         raise ValueError(f"aggregate of {len(parts)} parts with {len(claims)} claims")
     if rule.name == "mean":
         return weighted_mean(parts, claims)
-    bounded = clip_to_median_norm(parts, rule.clip_factor)
+    bounded = clip_to_median_norm(parts, rule.norm_clip)
     if rule.name == "trimmed-mean":
         return trimmed_mean(bounded, trim_count(len(parts), rule.trim_fraction))
-    return centered_clip(bounded, capped_claims(claims), rule.clip_factor, rule.clip_iterations)
+    return centered_clip(bounded, fair_weights(claims, rule.claim_cap), rule.clip_factor, rule.clip_iterations)
 
 
 def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -112,21 +125,58 @@ def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> to
 
 
 def counted_claims(claims: Sequence[float], rule: AggregationRule) -> list[float]:
-    """The sample counts `rule` credits the senders with: capped at the median for a robust rule, as claimed
+    """The sample counts `rule` credits the senders with: :func:`fair_weights` for a robust rule, as claimed
     for DiLoCo's mean (what a run reports as the samples it averaged)."""
-    return [float(claim) for claim in claims] if rule.name == "mean" else capped_claims(claims)
+    return [float(claim) for claim in claims] if rule.name == "mean" else fair_weights(claims, rule.claim_cap)
 
 
-def capped_claims(claims: Sequence[float]) -> list[float]:
-    """Each claim capped at the group's (lower) median claim."""
-    cap = lower_median(list(claims))
-    return [min(float(claim), cap) for claim in claims]
+def largest_minority(senders: int) -> int:
+    """⌈n/2⌉ − 1: the most hostile senders of n that a robust rule tolerates (fewer than half)."""
+    return (senders - 1) // 2
 
 
-def clip_to_median_norm(parts: Sequence[torch.Tensor], clip_factor: float) -> list[torch.Tensor]:
-    """Each part scaled down to norm ≤ clip_factor × the parts' (lower) median norm; the others as they are."""
+def fair_weights(claims: Sequence[float], claim_cap: float) -> list[float]:
+    """Each claim capped at C = min(claim_cap × the (lower) median claim, C*), where C* is the largest cap at
+    which the :func:`largest_minority` largest capped claims sum to no more than the other capped claims.
+
+    The bound: for f ≤ ⌈n/2⌉ − 1 senders, Σ of any f weights ≤ Σ of the f largest ≤ Σ of the others, so
+    a hostile minority weighs at most what the honest rest weigh (at most half the group's weight), and
+    no weight exceeds claim_cap × the median claim (an honest value while hostile senders are fewer than
+    half). With equal honest claims m and one liar, the liar counts at most 2·m in a group of 3 or 5,
+    3·m in one of 4 or 16. An honest claim is cut only above that cap: an island of 2 ranks beside
+    2 plain peers counts twice.
+
+    C* from h(C) = Σ_rest min(yᵢ, C) − Σ_top min(yᵢ, C), the claims y sorted largest first, top the
+    first f: h(0) = 0, h is piecewise linear with a breakpoint at each claim, rises while more rest
+    claims than top ones exceed C, and once its slope is negative it never rises again (rest claims are
+    the smaller ones), so {C ≥ 0 : h(C) ≥ 0} is one interval [0, C*]. Python floats in a fixed order:
+    every peer computes the same weights."""
+    if not claims:
+        raise ValueError("fair_weights of no claims")
+    capped = [min(float(claim), claim_cap * lower_median(list(claims))) for claim in claims]
+    minority = largest_minority(len(capped))
+    if minority == 0:
+        return capped
+    ordered = sorted(capped, reverse=True)
+    top, rest = ordered[:minority], ordered[minority:]
+
+    def balance(cap: float) -> float:
+        return sum(min(y, cap) for y in rest) - sum(min(y, cap) for y in top)
+
+    cap, below = ordered[0], 0.0  # C* is at least the largest claim unless h turns negative at a breakpoint
+    for breakpoint in sorted(set(ordered)):
+        if balance(breakpoint) < 0:
+            slope = sum(y > below for y in rest) - sum(y > below for y in top)  # < 0 on (below, breakpoint]
+            cap = below + balance(below) / -slope
+            break
+        below = breakpoint
+    return [min(claim, cap) for claim in capped]
+
+
+def clip_to_median_norm(parts: Sequence[torch.Tensor], norm_clip: float) -> list[torch.Tensor]:
+    """Each part scaled down to norm ≤ norm_clip × the parts' (lower) median norm; the others as they are."""
     norms = [norm(part) for part in parts]
-    bound = clip_factor * lower_median(norms)
+    bound = norm_clip * lower_median(norms)
     return [part * as_float32(bound / n) if n > bound else part for part, n in zip(parts, norms)]
 
 
@@ -188,21 +238,28 @@ def trimmed_mean(parts: Sequence[torch.Tensor], trim: int) -> torch.Tensor:
 def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], clip_factor: float,
                   iterations: int) -> torch.Tensor:
     """CenteredClip (arXiv 2012.10333, eq. (CC)) from the coordinate-wise median, radius ``clip_factor``
-    × the median distance of the parts to it; see the module's docstring."""
+    × the median distance of the parts to it, weight-aware; see the module's docstring.
+
+    A sender whose weight wᵢ is above the mean weight W/n has its radius shrunk by (W/n)/wᵢ, so that its
+    pull on the centre, wᵢ/W × min(‖xᵢ − v‖, τᵢ), is never more than τ/n, an equal sender's most: a
+    large weight counts in full only for a part near the centre (an island's Δ agrees with the others'),
+    and buys a part far from it nothing."""
     centre = coordinate_median(parts).clone()
     total_weight = sum(weights)
+    mean_weight = total_weight / len(weights)
     step = torch.empty_like(centre)
     pulls = [torch.sub(part, centre) for part in parts]
     distances = [norm(pull) for pull in pulls]
     radius = clip_factor * lower_median(distances)
+    radii = [radius * min(1.0, mean_weight / weight) if weight > 0 else radius for weight in weights]
     for iteration in range(iterations):
         if iteration:  # the first iteration's pulls are those the radius was taken from
             for pull, part in zip(pulls, parts):
                 torch.sub(part, centre, out=pull)
             distances = [norm(pull) for pull in pulls]
         step.zero_()
-        for pull, distance, weight in zip(pulls, distances, weights):
-            scale = min(1.0, radius / distance) if distance > 0 else 1.0
+        for pull, distance, weight, reach in zip(pulls, distances, weights, radii):
+            scale = min(1.0, reach / distance) if distance > 0 else 1.0
             step.add_(pull.mul_(as_float32(weight * scale / total_weight)))
         centre.add_(step)
     return centre
