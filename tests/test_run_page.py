@@ -93,6 +93,19 @@ def test_the_held_out_loss_comes_from_peers_and_keepers_and_one_stranger_cannot_
     assert series.steps == [10, 20] and series.values == [2.5, 2.0]
 
 
+def test_each_peer_shows_its_claimed_samples_beside_what_its_groups_counted():
+    api = dict(time=1.0, runs=[dict(run="test", peers=[row("peerIsland", samples=8000, counted_samples=8000),
+                                                       row("peerLiar", samples=2**48, counted_samples=1600),
+                                                       row("peerOld", samples=100)], summary={}, history={})])
+    page = render_main(api)
+    header = re.findall(r"<th>([^<]*)</th>", page)
+    cells = {peer: re.findall(r"<td>([^<]*)</td>", tr) for peer, tr in
+             re.findall(r'<tr data-peer-id="(\w+)">(.*?)</tr>', page)}
+    counted, samples = header.index("counted") - 1, header.index("claimed") - 1  # the first cell has a class
+    assert [cells[p][samples] for p in ("peerIsland", "peerLiar", "peerOld")] == ["8k", "281T", "100"]
+    assert [cells[p][counted] for p in ("peerIsland", "peerLiar", "peerOld")] == ["8k (100 %)", "1.6k (0 %)", "-"]
+
+
 def test_markup_in_a_record_is_shown_as_text():
     api = dict(time=1.0, runs=[dict(run="test", peers=[row("peer0", device=MARKUP, version="<b>0</b>")],
                                     summary={}, history={})])

@@ -141,6 +141,33 @@ def test_the_status_table_shows_the_ranks_of_an_island_peer():
     assert column_of(rows, "ranks") == {"d1234567": "8", "e7654321": "1"}
 
 
+def test_the_status_table_shows_each_peers_claimed_samples_and_what_its_groups_counted():
+    rows = run_rows({"QmIsland1234567": peer("QmIsland1234567", samples=800, counted_samples=800),
+                     "QmLiarxx7654321": peer("QmLiarxx7654321", samples=2**48, counted_samples=400),
+                     "QmOldxxx0000000": peer("QmOldxxx0000000", samples=400)}, answering=set())
+    assert column_of(rows, "claimed") == {"d1234567": "800", "x7654321": str(2**48), "x0000000": "400"}
+    assert column_of(rows, "counted") == {"d1234567": "800", "x7654321": "400", "x0000000": "-"}
+    assert {r["peer_id"]: (r["samples"], r["counted_samples"]) for r in rows} == {  # JSON
+        "QmIsland1234567": (800, 800), "QmLiarxx7654321": (2**48, 400), "QmOldxxx0000000": (400, None)}
+
+
+def test_a_peer_reports_what_its_groups_counted_of_its_samples():
+    from p2p_diloco.train.peer_view import PeerView
+
+    class Status:
+        fields: dict = {}
+
+        def update(self, **fields):
+            self.fields = {**self.fields, **fields}
+
+    view = PeerView(Status())
+    view.applied(800, 3, 0, 0.5)
+    assert view.status.fields["samples"] == 800 and view.status.fields["counted_samples"] is None  # not reported
+    view.applied(800, 3, 0, 0.5, counted_samples=400)
+    view.applied(800, 1, 0, 0.5, counted_samples=800)
+    assert view.status.fields["samples"] == 2400 and view.status.fields["counted_samples"] == 1200
+
+
 def test_the_status_table_shows_each_peers_latest_held_out_loss_and_its_step():
     rows = run_rows({"QmEvaluated1234": peer("QmEvaluated1234", eval_loss=2.3456, eval_step=10),
                      "QmNotYet7654321": peer("QmNotYet7654321")}, answering=set())

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from p2p_diloco.run_page.history import KEEPING, SERIES
 from p2p_diloco.swarm.status import EXCLUDED_AFTER_ROUNDS
-from p2p_diloco.swarm.status_report import COLUMNS, peer_cells
+from p2p_diloco.swarm.status_report import COLUMNS, counted_cell, peer_cells
 
 PLOT_W, PLOT_H = 340, 150
 MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 52, 10, 22, 22
@@ -70,8 +70,8 @@ def plot(name: str, series: dict[str, list]) -> str:
     return "".join(parts)
 
 
-CONTRIBUTION = ("samples", "rounds", "group", "excluded")
-PEER_COLUMNS = (*COLUMNS[:COLUMNS.index("loss") + 1], *CONTRIBUTION, *COLUMNS[COLUMNS.index("loss") + 1:])
+CONTRIBUTION = ("rounds", "group", "excluded")
+PEER_COLUMNS = (*COLUMNS[:COLUMNS.index("counted") + 1], *CONTRIBUTION, *COLUMNS[COLUMNS.index("counted") + 1:])
 
 
 def _exclusion(rounds_not_applied: int) -> str:
@@ -82,7 +82,8 @@ def _exclusion(rounds_not_applied: int) -> str:
 
 def peer_row(r: dict, main: Optional[str]) -> str:
     """The cells of `status`'s table, and the peer's contribution (its claims)."""
-    text = dict(peer_cells(r, main), samples=si(r.get("samples", 0)), rounds=str(r.get("rounds", 0)),
+    text = dict(peer_cells(r, main), claimed=si(r.get("samples", 0)), counted=counted_cell(r, si),
+                rounds=str(r.get("rounds", 0)),
                 group=str(r.get("group_size") or "-"), excluded=_exclusion(r.get("rounds_not_applied", 0)))
     cells = [f'<td class="peer" title="{esc(r["peer_id"])}">{esc(r["peer_id"][-12:])}</td>',
              *(f"<td>{esc(text[column])}</td>" for column in PEER_COLUMNS[1:])]

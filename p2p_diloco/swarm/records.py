@@ -95,6 +95,7 @@ class StatusValue(StrictModel):
     ranks: pydantic.conint(strict=True, ge=1, le=MAX_RANKS) = 1  # the processes of an island peer (train/island.py)
     # its contribution and its last outer step, for the run's page (p2p_diloco/run_page): as it claims them
     samples: Count = 0  # in the outer steps it applied with its group, since this process started
+    counted_samples: Optional[Count] = None  # of those, what its groups' rule counted (sync/robust.py fair_weights)
     rounds: Count = 0  # outer steps it applied with a group of two or more
     group_size: Count = 0  # of its last applied outer step (0: none yet)
     sync_bytes: Count = 0  # the all-reduce's payload it sent and received in that outer step

@@ -10,10 +10,10 @@ history, the command's table) import without hivemind.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
-COLUMNS = ("peer", "step", "phase", "inner steps", "samples/s", "loss", "held-out", "reach", "answers", "device",
-           "ranks", "version", "uptime", "shard", "settings")
+COLUMNS = ("peer", "step", "phase", "inner steps", "samples/s", "loss", "claimed", "counted", "held-out", "reach",
+           "answers", "device", "ranks", "version", "uptime", "shard", "settings")
 
 
 def find_runs(dht) -> dict[str, int]:
@@ -46,13 +46,22 @@ def peer_cells(r: dict, main: Optional[str]) -> dict[str, str]:
     most common settings fingerprint."""
     return dict(zip(COLUMNS, (
         r["peer_id"][-8:], str(r["outer_step"]), r["phase"], str(r["inner_steps"]), f"{r['samples_per_s']:.1f}",
-        "-" if r["loss"] is None else f"{r['loss']:.3f}", held_out_cell(r),
+        "-" if r["loss"] is None else f"{r['loss']:.3f}", str(r.get("samples", 0)), counted_cell(r), held_out_cell(r),
         "direct" if r["reachability"] == "direct" else "NAT",
         {True: "yes", False: "NO", None: "-"}[r["answers"]], r["device"], str(r.get("ranks", 1)), r["version"],
         format_duration(r["uptime_s"]),
         "-" if r["data_shard"] is None else str(r["data_shard"]),
         r["fingerprint"][:8] + ("" if r["fingerprint"] == main else " (other)"),
     )))
+
+
+def counted_cell(r: dict, number: Callable[[int], str] = str) -> str:
+    """``800 (100 %)``: of the samples the peer claims it trained in its applied outer steps, how many its groups'
+    robust rule counted (the weight of its Δ: sync/robust.py fair_weights), or ``-`` if it reports none."""
+    counted, samples = r.get("counted_samples"), r.get("samples", 0)
+    if counted is None:
+        return "-"
+    return number(counted) + (f" ({100 * counted / samples:.0f} %)" if samples else "")
 
 
 def held_out_cell(r: dict) -> str:

@@ -65,6 +65,12 @@ class GroupMean:
     # where the round's seconds went, by phase (:class:`RoundTimes`; round_sync adds the wait for groupmates)
     phases: dict[str, float] = field(default_factory=dict)
     update_scale: float = 1.0  # what the update check multiplied `mean` by (< 1: clipped; protocol/update_rule.py)
+    # this peer's own claim as the rule counted it (sync/robust.py fair_weights); alone, all of its samples
+    counted_samples: Optional[int] = None
+
+    def __post_init__(self):
+        if self.counted_samples is None and self.group_size == 1:
+            self.counted_samples = self.group_samples
 
     @property
     def peer_ids(self) -> list[str]:
@@ -410,13 +416,15 @@ class OuterSync:
             mean = [buffers[i].clone() for i in indices]
             sent = None if self.averager.sent is None else [self.averager.sent[i].clone() for i in indices]
         peers = {peer_id: meta for peer_id, meta in metadata.items() if meta.role == "peer"}  # assistants hold no mean
+        # as the rule counts them: a robust rule bounds each claim (a lie buys no more here than in the mean)
+        counted = dict(zip(peers, counted_claims([m.samples for m in peers.values()], self.averager.aggregation)))
         return GroupMean(
             mean=mean,
             group_size=len(peers),
-            # as the rule counts them: a robust rule caps each claim at the median (a lie buys nothing here either)
-            group_samples=int(sum(counted_claims([m.samples for m in peers.values()], self.averager.aggregation))),
+            group_samples=round(sum(counted.values())),
             tokens={peer_id: meta.token for peer_id, meta in peers.items()},
             sent=sent,
+            counted_samples=round(counted[self.peer_id]) if self.peer_id in counted else None,
         )
 
     def _load(self, indices: Sequence[int], delta: PendingDelta, times: RoundTimes) -> None:

@@ -26,6 +26,7 @@ class PeerView:
         self.idle_phase = idle_phase  # between rounds: training, or a keeper's keeping (it never trains)
         self.samples = 0  # in the outer steps this peer applied with its group
         self.rounds = 0  # of those, the ones averaged with others
+        self.counted_samples: int | None = None  # of `samples`, what its groups' rule counted, once reported
         self._traffic_seen = 0  # the all-reduce bytes counted in an earlier outer step
 
     def joined(self, **fields: Any) -> None:
@@ -44,14 +45,20 @@ class PeerView:
             self.display.step(step_loss, samples * self.tokens_per_sample)
         self.status.update(**status_fields)
 
-    def applied(self, samples: int, group_size: int, traffic_total: int, utilization: float) -> None:
+    def applied(self, samples: int, group_size: int, traffic_total: int, utilization: float,
+                counted_samples: int | None = None) -> None:
         """An outer step applied: its samples and group size, the all-reduce bytes since the last one
         (`traffic_total` counts them all, sent and received) and the compute utilization since the last
-        one; stored with the next record the loop publishes."""
+        one; stored with the next record the loop publishes. `counted_samples`: what the group's rule
+        counted of `samples` (:attr:`GroupMean.counted_samples <p2p_diloco.sync.outer_sync.GroupMean>`), shown
+        beside them; a record says none while no round reported it."""
         self.samples += samples
         self.rounds += group_size > 1
+        if counted_samples is not None:
+            self.counted_samples = (self.counted_samples or 0) + counted_samples
         sync_bytes, self._traffic_seen = traffic_total - self._traffic_seen, traffic_total
-        self.status.update(samples=self.samples, rounds=self.rounds, group_size=group_size, sync_bytes=sync_bytes,
+        self.status.update(samples=self.samples, counted_samples=self.counted_samples, rounds=self.rounds,
+                           group_size=group_size, sync_bytes=sync_bytes,
                            utilization=min(max(utilization, 0.0), 1.0), rounds_not_applied=0)
 
     def not_applied(self, rounds_in_a_row: int) -> None:
