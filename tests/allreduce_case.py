@@ -24,7 +24,7 @@ its Δ owed to the next one, and with error feedback each peer sends Δ + e and 
 counted of it (:class:`~p2p_diloco.train.error_feedback.ErrorFeedback`). Peers that name different
 starts all fail their round after the all-reduce. It writes ``CASE_DIR/result.pt``: ``{"runs": by
 RUN, per round each peer's mean (or the error it raised), group size and samples, what it sent and
-what the group counted of it; each peer's final residual; the bytes each averager sent and received;
+what the group counted of it; each peer's final residual; the all-reduce bytes each averager sent and received, and its bytes by phase;
 each peer's ID, the digests of what travelled in its agreed rounds (:mod:`p2p_diloco.sync.audit`) and
 the peers it bans at the end, "children": every process the case started}``. It prints the runs', less
 their tensors, as one JSON line. In a run ``CODEC:ATTACK``, peer 0 is a hostile reducer: its averager
@@ -77,7 +77,7 @@ def hostile_reducer(attack: Optional[str]):
     """tests/hostile_peer.py's patch for reducer `attack` (none if None) while the averager process that
     is created under it forks; the project's methods are restored after."""
     patched = [(ExactAllReduceRunner, "_encode_averaged"), (ExactAllReduceRunner, "_accumulate_parts_streaming"),
-               (ExactAllReduceRunner, "rpc_relay_part"), (ReducerAudit, "rpc_audit_inputs")]  # hostile_peer's seams
+               (ExactAllReduceRunner, "rpc_relay_part"), (ReducerAudit, "served_inputs")]  # hostile_peer's seams
     honest = {(cls, name): cls.__dict__[name] for cls, name in patched}
     if attack is not None:
         from tests.hostile_peer import PATCHES
@@ -142,11 +142,13 @@ def average_in(codec: str, nodes: list, case: dict, hostile: Optional[str], node
                 syncs.append(OuterSync(node.dht, "exact", "f" * 64, node.identity.record_subkey, shapes, CFG,
                                        state_provider=lambda: ({}, []), client_mode=bool(case.get("assistant")),
                                        codec=codec, aggregation=rule, record_sent=error_feedback))
+        counted_before = [s.averager.traffic.by_phase() for s in syncs]  # a DHT node's counters outlive a run
         if case.get("assistant"):
             assistant = Assistant(nodes[peers].dht, assistance_request(shapes, codec, rule))
         for step, round_ in enumerate(rounds):
             outcomes.append(average_round(syncs, feedback, owed, indices, round_, samples, step, assistant))
-        traffic = [(s.averager.traffic.sent, s.averager.traffic.received) for s in syncs]
+        traffic = [{phase: {way: count - before[phase][way] for way, count in counts.items()}
+                    for phase, counts in s.averager.traffic.by_phase().items()} for s, before in zip(syncs, counted_before)]
         banned = [s.averager.banned_peers() for s in syncs]
     finally:
         averagers = started([pid for pid in process_tree.descendant_pids(os.getpid()) if pid not in node_pids])
@@ -162,8 +164,9 @@ def average_in(codec: str, nodes: list, case: dict, hostile: Optional[str], node
         "rounds": outcomes,
         "residuals": [ef.residual if ef is not None else None for ef in feedback],
         "owed": owed,  # each peer's Δ of its last rounds, if they applied nothing
-        "sent": [sent for sent, _ in traffic],
-        "received": [received for _, received in traffic],
+        "sent": [phases["allreduce"]["sent"] for phases in traffic],  # the all-reduce's
+        "received": [phases["allreduce"]["received"] for phases in traffic],
+        "by_phase": traffic,  # p2p_diloco.traffic's, every phase
         "peer_ids": [node.dht.peer_id.to_base58() for node in nodes],
         "banned": banned,
     }

@@ -38,7 +38,7 @@ averager's process (the patch is made before that process forks):
 * ``equivocating-reducer``: the averaged part times (i + 2) to the sender of index i, a different
   value to each sender (:meth:`ExactAllReduceRunner._accumulate_parts_streaming`; its own copy is honest);
 * ``misquoting-reducer``: reduces honestly, but serves its auditor the parts of its senders in another
-  order (each sender's parts as the next sender's: :meth:`ReducerAudit.rpc_audit_inputs`), so that the
+  order (each sender's chunks as the next sender's: :meth:`ReducerAudit.served_inputs`), so that the
   results recomputed from them are wrong, and the parts are not what their senders state they sent;
 * ``tampering-relay``: as a relay of a round in groups (:mod:`p2p_diloco.sync.relay`), the averaged
   parts it forwards back to a sender, times 3 (:meth:`ExactAllReduceRunner.rpc_relay_part`).
@@ -248,38 +248,18 @@ def patch_equivocating_reducer(spec: str) -> None:
 
 
 def patch_misquoting_reducer(spec: str) -> None:
-    """Each sender's parts served to the auditor as the next sender's (the last sender's as the first's)."""
-    import asyncio
-    import functools
-
+    """Each sender's hash list and chunks served to the auditor as the next sender's (the last sender's as
+    the first's)."""
     from p2p_diloco.sync.audit import ReducerAudit
 
-    honest_serve = ReducerAudit.rpc_audit_inputs
+    honest_serve = ReducerAudit.served_inputs
 
-    @functools.wraps(honest_serve)  # hivemind reads a handler's types from its annotations
-    async def rpc_audit_inputs(self, request, context):
-        ledger = self._ledgers.get(request.metadata.decode("ascii", errors="replace"))
-        per_sender = len(ledger.part_numels.get(self.peer_id, ())) if ledger is not None else 0
-        total = per_sender * (len(ledger.senders) if ledger is not None else 0)
-        served = honest_serve(self, request, context)
-        held = []
-        try:
-            while len(held) < total:
-                held.append(await served.__anext__())
-        except StopAsyncIteration:
-            pass
-        finally:
-            await served.aclose()
-        if len(held) != total:  # not this peer's auditor, or a round it no longer keeps: as the honest handler
-            for message in held:
-                yield message
-            return
+    def served_inputs(self, ledger, sample):
+        served = honest_serve(self, ledger, sample)
         say(f"attacked a round as reducer ({spec})")
-        for message in held[-per_sender:] + held[:-per_sender]:
-            yield message
-        await asyncio.sleep(self.next_chunk_timeout or self.request_timeout)  # as the honest handler: the auditor closes
+        return served[-1:] + served[:-1]
 
-    ReducerAudit.rpc_audit_inputs = rpc_audit_inputs
+    ReducerAudit.served_inputs = served_inputs
 
 
 def numel_of(codec, nbytes: int) -> int:

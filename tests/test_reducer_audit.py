@@ -1,8 +1,10 @@
-"""Reducers are checked (p2p_diloco.sync.audit): who audits whom, the commit's verdict on what each
-member saw, the auditor's recomputation on a real reducer's parts, and real all-reduce rounds among
+"""Reducers are checked (p2p_diloco.sync.audit, p2p_diloco.sync.spot_check): who audits whom, the commit's
+verdict on what each member saw, the chunks and the sample of a spot check, the auditor's recomputation on a
+real reducer's chunks, and real all-reduce rounds among
 in-process averagers: an honest round's record of what travelled, a reducer that returns a wrong
 result to everyone (caught by its auditor, who bans it) and one that sends different results to
-different members (each member it lied to bans it)."""
+different members (each member it lied to bans it); the audit's bytes are counted, and at most 10 % of the
+all-reduce's."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 from p2p_diloco.swarm.records import AUDIT_OK, INPUTS_DIFFER, WRONG_MEAN, RoundReport
-from p2p_diloco.sync.audit import auditors, check_reducer, digest
+from p2p_diloco.sync import spot_check
+from p2p_diloco.sync.audit import auditors, check_reducer, served_inputs
 from p2p_diloco.sync.codecs import CODECS
 from p2p_diloco.sync.commit import judge
 from p2p_diloco.sync.exact_allreduce import SenderOrderReducer
@@ -89,22 +92,93 @@ def test_a_different_mean_waits_for_every_report_so_that_one_may_name_its_cause(
     assert final and "incomplete" in void.reason and void.culprit is None
 
 
+NUMELS = [2 * spot_check.CHUNK_VALUES + 1000, 64, 333]  # a reducer's parts: the first of three chunks
+
+
 def reducer_case(codec_name: str, senders: int = 4):
     """A reducer's parts from `senders` senders, encoded: (codec, numels, sender names, weights, inputs)."""
     codec = CODECS[codec_name]
     generator = np.random.default_rng(5)
-    numels = [1000, 64, 333]
     names = PEERS[:senders]
     inputs = {name: [codec.encode(torch.from_numpy((generator.standard_normal(n) * 10.0 ** -s).astype(np.float32)))
-                     for n in numels] for s, name in enumerate(names)}
-    return codec, numels, names, [16.0, 48.0, 160.0, 3.0][:senders], inputs
+                     for n in NUMELS] for s, name in enumerate(names)}
+    return codec, NUMELS, names, [16.0, 48.0, 160.0, 3.0][:senders], inputs
 
 
 def honest_outputs(codec, numels, names, weights, inputs, rule: AggregationRule) -> list[bytes]:
     """What a real SenderOrderReducer of `rule` returns on the decoded inputs, encoded as its runner does."""
     decoded = [[codec.decode(inputs[name][k], n) for k, n in enumerate(numels)] for name in names]
-    results = reduce_parts(functools.partial(SenderOrderReducer, rule=rule), decoded, weights, list(range(len(names))))
+    reducer = functools.partial(SenderOrderReducer, rule=rule, codec=codec)
+    results = reduce_parts(reducer, decoded, weights, list(range(len(names))))
     return [codec.encode(result) for result in results]
+
+
+def audit(codec, rule, numels, names, weights, inputs, outputs, sample=None, served_by=None):
+    """check_reducer's verdict on `outputs` from `inputs` as the senders state them, on `sample` (every chunk
+    if None), with what the reducer serves computed from `served_by` (its inputs as it holds them; `inputs`)."""
+    chunks = len(spot_check.reducer_chunks(codec, numels))
+    sample = list(range(chunks)) if sample is None else sample
+    stated = {name: spot_check.input_digest(spot_check.hash_list(codec, parts, numels)) for name, parts in inputs.items()}
+    held = served_by or inputs
+    served = dict(zip(names, served_inputs(codec, numels, [held[name] for name in names], sample)))
+    return check_reducer(codec, rule, numels, names, weights, sample, served, stated, outputs)
+
+
+@pytest.mark.parametrize("codec_name", sorted(CODECS))
+def test_a_chunk_s_bytes_are_its_own_encoding(codec_name):
+    """The bytes of a chunk cut from an encoded part decode to the chunk's values: what a sender sent, a
+    reducer holds and an auditor fetches of a chunk is the part's encoding restricted to it."""
+    codec = CODECS[codec_name]
+    numel = 2 * spot_check.CHUNK_VALUES + 1000
+    part = torch.from_numpy((np.random.default_rng(2).standard_normal(numel) * np.logspace(-4, 1, numel))
+                            .astype(np.float32))
+    data = codec.encode(part)
+    spans = spot_check.chunk_spans(codec, numel)
+    assert spans == ([(0, spot_check.CHUNK_VALUES), (spot_check.CHUNK_VALUES, 2 * spot_check.CHUNK_VALUES),
+                      (2 * spot_check.CHUNK_VALUES, numel)] if spot_check.sliceable(codec) else [(0, numel)])
+    whole = codec.decode(data, numel)
+    for start, stop in spans:
+        assert torch.equal(codec.decode(spot_check.chunk_bytes(codec, data, numel, start, stop), stop - start),
+                           whole[start:stop])
+
+
+@pytest.mark.parametrize("rule", [EXACT_MEAN, AggregationRule("centered-clip"), AggregationRule("trimmed-mean")],
+                         ids=lambda rule: rule.name)
+def test_a_reducer_aggregates_chunk_by_chunk(rule):
+    """Each chunk's result is the rule's on that chunk alone, so that an auditor can recompute it alone; DiLoCo's
+    mean, coordinate by coordinate, is the same bits as on the whole part."""
+    codec = CODECS[CODEC]
+    generator = np.random.default_rng(3)
+    parts = [torch.from_numpy(generator.standard_normal(NUMELS[0]).astype(np.float32)) for _ in range(4)]
+    claims = [16.0, 48.0, 160.0, 3.0]
+    result = spot_check.aggregate_in_chunks(parts, claims, rule, codec)
+    for start, stop in spot_check.chunk_spans(codec, NUMELS[0]):
+        assert torch.equal(result[start:stop], aggregate([p[start:stop] for p in parts], claims, rule))
+    if rule is EXACT_MEAN:
+        assert torch.equal(result, aggregate(parts, claims, rule))
+
+
+def test_the_sample_is_the_same_on_every_member_and_follows_the_round():
+    outputs = {PEERS[0]: SHA["mean"], PEERS[1]: SHA["other"]}
+    seed = spot_check.round_seed(tokens_of(PEERS[:2]).values(), outputs)
+    assert seed == spot_check.round_seed(reversed(list(tokens_of(PEERS[:2]).values())), dict(reversed(outputs.items())))
+    sample = spot_check.spot_sample(seed, PEERS[0], 240)
+    assert len(sample) == 240 // spot_check.SAMPLE_ONE_IN and sample == sorted(set(sample))
+    assert sample == spot_check.spot_sample(seed, PEERS[0], 240)
+    # another result of any reducer, another sample; a small reducer is checked on one chunk at least
+    other = spot_check.round_seed(tokens_of(PEERS[:2]).values(), {**outputs, PEERS[1]: SHA["lie"]})
+    assert spot_check.spot_sample(other, PEERS[0], 240) != sample
+    assert len(spot_check.spot_sample(seed, PEERS[0], 3)) == 1
+
+
+def test_the_probability_of_a_catch():
+    """``1 − C(N − k, s) / C(N, s)``: 1 when every chunk is changed, at least ``1 − (1 − k/N)^s``, and the
+    share of seeds whose sample holds a changed chunk."""
+    assert spot_check.catch_probability(240, 240) == 1.0 and spot_check.catch_probability(240, 0) == 0.0
+    for changed in (1, 12, 24, 120):
+        assert spot_check.catch_probability(240, changed) >= 1 - (1 - changed / 240) ** 20
+    hits = sum(bool(set(spot_check.spot_sample(bytes([i]) * 32, PEERS[0], 48)) & {0, 1, 2, 3}) for i in range(200))
+    assert abs(hits / 200 - spot_check.catch_probability(48, 4)) < 0.15
 
 
 @pytest.mark.parametrize("rule", [EXACT_MEAN, AggregationRule("centered-clip"), AggregationRule("trimmed-mean")],
@@ -113,17 +187,36 @@ def honest_outputs(codec, numels, names, weights, inputs, rule: AggregationRule)
 def test_the_audit_recomputes_what_the_reducer_computed(codec_name, rule):
     codec, numels, names, weights, inputs = reducer_case(codec_name)
     outputs = honest_outputs(codec, numels, names, weights, inputs, rule)
-    stated = {name: digest(parts) for name, parts in inputs.items()}
-    assert check_reducer(codec, rule, numels, names, weights, inputs, stated, outputs) == (AUDIT_OK, "")
+    assert audit(codec, rule, numels, names, weights, inputs, outputs) == (AUDIT_OK, "")
 
     # a wrong result, the same for everyone: the sign of one part flipped
     wrong = [codec.encode(-codec.decode(outputs[1], numels[1])), *outputs[2:]]
-    verdict, detail = check_reducer(codec, rule, numels, names, weights, inputs, stated, [outputs[0], *wrong])
+    verdict, detail = audit(codec, rule, numels, names, weights, inputs, [outputs[0], *wrong])
     assert verdict == WRONG_MEAN and "part 1" in detail
 
     # the reducer holds other parts from a sender than that sender states it sent
     swapped = {**inputs, names[2]: [inputs[names[2]][0], inputs[names[3]][1], inputs[names[2]][2]]}
-    assert check_reducer(codec, rule, numels, names, weights, swapped, stated, outputs)[0] == INPUTS_DIFFER
+    assert audit(codec, rule, numels, names, weights, inputs, outputs, served_by=swapped)[0] == INPUTS_DIFFER
+
+
+def test_a_changed_chunk_is_caught_when_the_sample_holds_it():
+    """A reducer that changes one chunk of its first part (the second of three) passes a sample without it and
+    fails one with it; a sender's chunk served from other bytes than its hash list states is caught either way."""
+    codec, numels, names, weights, inputs = reducer_case(CODEC)
+    rule = AggregationRule("centered-clip")
+    outputs = honest_outputs(codec, numels, names, weights, inputs, rule)
+    first = codec.decode(outputs[0], numels[0])
+    first[spot_check.CHUNK_VALUES + 5] = 10 * first.abs().max()
+    changed = [codec.encode(first), *outputs[1:]]
+    assert audit(codec, rule, numels, names, weights, inputs, changed, sample=[0, 2, 3, 4]) == (AUDIT_OK, "")
+    verdict, detail = audit(codec, rule, numels, names, weights, inputs, changed, sample=[1, 4])
+    assert verdict == WRONG_MEAN and f"values {spot_check.CHUNK_VALUES}-{2 * spot_check.CHUNK_VALUES}" in detail
+    # the second chunk of a sender's first part served from other bytes: its hash is not the list's entry
+    other = codec.decode(inputs[names[1]][0], numels[0])
+    other[spot_check.CHUNK_VALUES:2 * spot_check.CHUNK_VALUES] *= 2
+    held = {**inputs, names[1]: [codec.encode(other), *inputs[names[1]][1:]]}
+    assert audit(codec, rule, numels, names, weights, inputs, outputs, sample=[1], served_by=held)[0] == INPUTS_DIFFER
+    assert audit(codec, rule, numels, names, weights, inputs, outputs, sample=[0], served_by=held)[0] == INPUTS_DIFFER
 
 
 def nudged(codec, result: torch.Tensor) -> bytes:
@@ -147,20 +240,20 @@ def test_with_a_reproducible_encoding_the_audit_is_bit_exact(codec_name):
     codec, numels, names, weights, inputs = reducer_case(codec_name)
     rule = AggregationRule("centered-clip")
     outputs = honest_outputs(codec, numels, names, weights, inputs, rule)
-    stated = {name: digest(parts) for name, parts in inputs.items()}
     result = aggregate([codec.decode(inputs[name][2], numels[2]) for name in names], weights, rule)
     wrong = nudged(codec, result)
     moved = int((codec.decode(wrong, numels[2]) != codec.decode(outputs[2], numels[2])).sum())
     assert moved
     if codec.name != "none":  # a bound check would pass it: only the comparison of bytes catches it
         assert (codec.decode(wrong, numels[2]) - result).abs().le(codec.error_bound(result)).all()
-    verdict, detail = check_reducer(codec, rule, numels, names, weights, inputs, stated, [*outputs[:2], wrong])
-    assert verdict == WRONG_MEAN and f"{moved} of {numels[2]} values" in detail
+    verdict, detail = audit(codec, rule, numels, names, weights, inputs, [*outputs[:2], wrong])
+    assert verdict == WRONG_MEAN and f"{moved} of {numels[2]} are" in detail
 
 
 CODEC = "fp4-e3m0"  # the shipped default
-# three tensors of one part each, as large as each other: hivemind gives each of three peers one to reduce
-CASE_SHAPES = [torch.Size([64, 32])] * 3
+# three tensors as large as each other, each of 16 chunks (p2p_diloco.sync.spot_check): each of three peers
+# reduces about a third of the values, 16 chunks, of which its auditor checks one
+CASE_SHAPES = [torch.Size([512, 512])] * 3
 
 
 def case_inputs(peers: int = 3) -> dict:
@@ -201,6 +294,13 @@ def test_an_honest_round_records_what_travelled_and_passes_its_audits(audited_ro
     assert len({tuple(sorted(d["auditors"].items())) for d in digests}) == 1
     assert sorted(digests[0]["auditors"].values()) == sorted(peers)
     assert result["banned"] == [[]] * 3
+    # every peer audited one reducer and was audited once: the spot check's bytes are counted, and are at
+    # most 10 % of the all-reduce's (a twelfth of a reducer's inputs, and the hash lists)
+    for phases in result["by_phase"]:
+        audited = phases["audit"]["sent"] + phases["audit"]["received"]
+        reduced = phases["allreduce"]["sent"] + phases["allreduce"]["received"]
+        assert phases["audit"]["sent"] > 0 and phases["audit"]["received"] > 0
+        assert audited <= 0.10 * reduced, phases
 
 
 def hostile_case(attack: str, audited_rounds: dict) -> tuple[dict, str]:

@@ -17,22 +17,35 @@ when they are not the same it does not say whose fault that is. So:
   the digest of what it sent (its ``outputs`` entry for itself). A member that got other bytes
   voids the round and bans it (:func:`~p2p_diloco.sync.commit.judge`): its own observation against
   the reducer's own signed word, so no groupmate can frame a reducer this way.
-* **Each reducer's result is audited.** Each reducer is audited by one other member
+* **Each reducer's result is spot-checked.** Each reducer is audited by one other member
   (:func:`auditors`: a rotation of the sorted peer IDs by a seed every member computes from the
   round's tokens). As soon as its all-reduce is done, while the members exchange their reports, the
-  auditor fetches from the reducer (:meth:`ReducerAudit.rpc_audit_inputs`, which answers its auditor
-  in that round alone) the encoded parts each sender sent it, recomputes every part with the
-  reducer's own function (:func:`~p2p_diloco.sync.robust.aggregate`, a fixed function of the decoded
-  parts) and compares with the averaged bytes it received, whose digest is the reducer's signed
-  statement. Once every report agrees, it checks the parts against each sender's reported digest,
-  and only then does the recomputation count (:func:`check_reducer`). Its verdict goes into its
-  report; every member waits for every verdict before it applies the round, and anything but "ok"
-  voids it. A wrong result gets the reducer banned by its auditor.
+  auditor draws a sample of the reducer's chunks from the round's tokens and the digests of every
+  reducer's averaged parts (:mod:`p2p_diloco.sync.spot_check`: one chunk in 12, chosen once every
+  result is sent), and fetches from the reducer (:meth:`ReducerAudit.rpc_audit_inputs`, which
+  answers its auditor in that round alone) each sender's hash list and the sampled chunks of each
+  sender's parts; it recomputes those chunks with the reducer's own function
+  (:func:`~p2p_diloco.sync.spot_check.aggregate_in_chunks`, a fixed function of each chunk's decoded
+  values) and compares them with the averaged bytes it received, whose digest is the reducer's
+  signed statement. Once every report agrees, it checks each hash list against the digest its
+  sender states and each chunk against its entry, and only then does the recomputation count
+  (:func:`check_reducer`). Its verdict goes into its report; every member waits for every verdict
+  before it applies the round, and anything but "ok" voids it. A wrong result gets the reducer
+  banned by its auditor. The audit moves 1/12 of a reducer's inputs plus 32 bytes a chunk: at most
+  8.7 % of a peer's all-reduce bytes with the 4-bit codecs (docs/benchmarks.md, "Bytes per phase").
 
 What this does not stop:
 
 * A hostile auditor can void rounds (a false verdict, or none): denial of service, never a wrong
   mean applied nor an honest reducer banned by an honest member (the auditor bans on its own list).
+* A reducer that changes few of its chunks is caught with the probability that the sample holds
+  one of them: ``1 − C(N − k, s) / C(N, s)`` for k changed of N chunks and s sampled, at least
+  ``1 − (1 − k/N)^s`` (docs/security.md has the table). It is caught at once if it changes a value
+  in every chunk (the garbage reducer of the hostile tests). The sample's seed holds its own result:
+  a reducer that holds back its last averaged part until it has every other reducer's result can try
+  variants of that part, each a new sample, and send one whose sample misses its changes; the tries
+  it needs grow as ``1 / (1 − k/N)^s``, past reach for large k, not for one chunk. The update check
+  (:mod:`p2p_diloco.train.update_check`) bounds what it moves.
 * A hostile reducer audited by a hostile member passes a wrong result on its parts. Robust
   aggregation does not bound it (the reducer is the one that aggregates); the check of the update
   before it is applied does (:mod:`p2p_diloco.train.update_check`). The seed is the
@@ -59,7 +72,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
-import itertools
 import logging
 import threading
 import time
@@ -76,6 +88,7 @@ from hivemind.utils.asyncio import anext
 
 from p2p_diloco.remote_input import warn_once
 from p2p_diloco.swarm.records import AUDIT_OK, INPUTS_DIFFER, UNAVAILABLE, WRONG_MEAN
+from p2p_diloco.sync import spot_check
 from p2p_diloco.sync.codecs import Codec
 from p2p_diloco.sync.robust import AggregationRule, aggregate
 
@@ -159,9 +172,11 @@ class RoundLedger:
                    [weights[s] for s in senders], dict(part_numels),
                    {by_name[r]: by_name[a] for r, a in assigned.items()}, codec)
 
-    def sent_input(self, reducer: PeerID, data: bytes) -> None:
-        """This peer sent `reducer` its next encoded part."""
-        self._sent.setdefault(reducer, hashlib.sha256()).update(data)
+    def sent_input(self, reducer: PeerID, data: bytes, numel: int, codec: Codec) -> None:
+        """This peer sent `reducer` its next encoded part, of `numel` values in `codec` (the round's): its
+        chunks' hashes go into the hash list whose sha256 the report states (:func:`spot_check.input_digest
+        <p2p_diloco.sync.spot_check.input_digest>`)."""
+        self._sent.setdefault(reducer, hashlib.sha256()).update(spot_check.chunk_hashes(codec, data, numel))
 
     def received_output(self, reducer: PeerID, data: bytes) -> None:
         """`reducer` sent this peer its next averaged part (this peer's own, for its own parts)."""
@@ -175,6 +190,11 @@ class RoundLedger:
         if part_index == len(parts):
             parts.append(bytes(data))
 
+    def spot_seed(self) -> bytes:
+        """The seed of this round's spot checks (:func:`~p2p_diloco.sync.spot_check.round_seed`), once every
+        reducer's averaged parts are in."""
+        return spot_check.round_seed(self.tokens.values(), {r.to_base58(): h.hexdigest() for r, h in self._received.items()})
+
     def digests(self) -> RoundDigests:
         return RoundDigests(
             inputs={r.to_base58(): h.hexdigest() for r, h in self._sent.items()},
@@ -185,65 +205,98 @@ class RoundLedger:
         )
 
 
+Served = tuple[bytes, list[bytes]]  # a sender's hash list, and its sampled chunks in sample order
+
+
 @dataclass(frozen=True)
 class FetchedInputs:
-    """A reducer's inputs as it served them to its auditor, and the auditor's recomputation on them."""
+    """What a reducer served its auditor of its inputs, and the auditor's recomputation on them."""
 
-    parts: dict[str, list[bytes]]  # sender (base58) -> the encoded parts the reducer holds from it, in order
-    recomputed: tuple[str, str]  # (verdict, detail) of :func:`recompute_results` on these parts
+    sample: list[int]  # the chunks checked (spot_check.reducer_chunks' numbering)
+    served: dict[str, Served]  # sender (base58) -> its hash list and sampled chunks, as the reducer holds them
+    recomputed: tuple[str, str]  # (verdict, detail) of :func:`recompute_sample` on these chunks
+
+
+def served_inputs(codec: Codec, part_numels: Sequence[int], parts: Sequence[Sequence[bytes]],
+                  sample: Sequence[int]) -> list[Served]:
+    """What a reducer serves its auditor: for each sender's encoded parts in `parts` (in sender order), the
+    hash list of its chunks (:func:`~p2p_diloco.sync.spot_check.hash_list`) and the bytes of the chunks of
+    `sample`."""
+    chunks = spot_check.reducer_chunks(codec, part_numels)
+    served = []
+    for sender_parts in parts:
+        if len(sender_parts) != len(part_numels):  # a sender that failed mid-round: nothing to show of it
+            served.append((b"", []))
+            continue
+        served.append((spot_check.hash_list(codec, sender_parts, part_numels),
+                       [spot_check.chunk_bytes(codec, sender_parts[chunks[k][0]], part_numels[chunks[k][0]],
+                                               *chunks[k][1:]) for k in sample]))
+    return served
 
 
 def check_reducer(codec: Codec, rule: AggregationRule, part_numels: Sequence[int], senders: Sequence[str],
-                  weights: Sequence[float], inputs: dict[str, list[bytes]], input_digests: dict[str, Optional[str]],
-                  outputs: Sequence[bytes]) -> tuple[str, str]:
-    """(verdict, detail) on a reducer's results `outputs` (its averaged parts, as sent), from the encoded
-    parts `inputs` it says each sender sent it (sender -> parts in order) and the digests the senders
-    state of them (`input_digests`).
+                  weights: Sequence[float], sample: Sequence[int], served: dict[str, Served],
+                  input_digests: dict[str, Optional[str]], outputs: Sequence[bytes]) -> tuple[str, str]:
+    """(verdict, detail) on a reducer's results `outputs` (its averaged parts, as sent) on the chunks of
+    `sample`, from what it served of each sender's inputs (`served`: sender -> hash list and sampled
+    chunks) and the digests the senders state of them (`input_digests`).
 
-    Verdicts: "inputs differ" (a sender's parts are not what it states it sent, or do not decode: the
-    reducer or the sender lies), "wrong mean" (a result is not the recomputed one), "ok". The inputs are
-    judged first (:func:`judge_inputs`): a result recomputed from inputs nobody stated convicts nobody.
+    Verdicts: "inputs differ" (what it served of a sender is not what that sender states it sent, or does
+    not decode: the reducer or the sender lies), "wrong mean" (a sampled chunk of a result is not the
+    recomputed one), "ok". The inputs are judged first (:func:`judge_served`): a result recomputed from
+    inputs nobody stated convicts nobody.
     """
-    return (judge_inputs(senders, inputs, input_digests)
-            or recompute_results(codec, rule, part_numels, senders, weights, inputs, outputs))
+    return (judge_served(senders, len(spot_check.reducer_chunks(codec, part_numels)), sample, served, input_digests)
+            or recompute_sample(codec, rule, part_numels, senders, weights, sample, served, outputs))
 
 
-def judge_inputs(senders: Sequence[str], inputs: dict[str, list[bytes]],
+def judge_served(senders: Sequence[str], chunks: int, sample: Sequence[int], served: dict[str, Served],
                  input_digests: dict[str, Optional[str]]) -> Optional[tuple[str, str]]:
-    """("inputs differ", detail) if the parts a reducer holds from a sender (`inputs`) are not those whose
-    digest that sender states it sent it (`input_digests`); None if every sender's are."""
+    """("inputs differ", detail) if what a reducer served of a sender is not bound to the digest that sender
+    states (`input_digests`): its hash list (of `chunks` entries) hashes to another digest, or a sampled
+    chunk to another entry of the list. None if every sender's is."""
     for sender in senders:
-        if digest(inputs.get(sender, ())) != input_digests.get(sender):
-            return INPUTS_DIFFER, f"the parts it holds from {sender[-8:]} are not those that sender states it sent"
+        hashes, sampled = served.get(sender, (b"", []))
+        wrong = (len(hashes) != spot_check.HASH_BYTES * chunks or len(sampled) != len(sample)
+                 or spot_check.input_digest(hashes) != input_digests.get(sender)
+                 or any(hashlib.sha256(chunk).digest() != hashes[spot_check.HASH_BYTES * k:spot_check.HASH_BYTES * (k + 1)]
+                        for k, chunk in zip(sample, sampled)))
+        if wrong:
+            return INPUTS_DIFFER, f"the chunks it holds from {sender[-8:]} are not those that sender states it sent"
     return None
 
 
-def recompute_results(codec: Codec, rule: AggregationRule, part_numels: Sequence[int], senders: Sequence[str],
-                      weights: Sequence[float], inputs: dict[str, list[bytes]],
-                      outputs: Sequence[bytes]) -> tuple[str, str]:
-    """(verdict, detail) on a reducer's results `outputs` recomputed from `inputs` as the reducer computes
-    them: the senders' decoded parts in sender order, :func:`~p2p_diloco.sync.robust.aggregate` under
-    `rule` with the senders' `weights`. "inputs differ" if a part does not decode, "wrong mean" if a
-    result is not the recomputed one (where the auditor's own encoding of a result differs from the
-    reducer's bytes, :func:`off_values` says which values are wrong), else "ok". Whether the inputs are
-    the senders' is :func:`judge_inputs`'s question."""
+def recompute_sample(codec: Codec, rule: AggregationRule, part_numels: Sequence[int], senders: Sequence[str],
+                     weights: Sequence[float], sample: Sequence[int], served: dict[str, Served],
+                     outputs: Sequence[bytes]) -> tuple[str, str]:
+    """(verdict, detail) on the chunks `sample` of a reducer's results `outputs`, recomputed from the
+    senders' chunks in `served` as the reducer computes them: the senders' decoded chunks in sender
+    order, :func:`~p2p_diloco.sync.robust.aggregate` under `rule` with the senders' `weights` (a chunk's
+    result is the reducer's: :func:`~p2p_diloco.sync.spot_check.aggregate_in_chunks`). "inputs differ"
+    if a chunk does not decode, "wrong mean" if a result is not the recomputed one (where the auditor's
+    own encoding of a result differs from the reducer's bytes, :func:`off_values` says which values are
+    wrong), else "ok". Whether the chunks are the senders' is :func:`judge_served`'s question."""
     if len(outputs) != len(part_numels):  # this peer's own record of the round is short: nobody to blame
         return UNAVAILABLE, f"this peer kept {len(outputs)} of the reducer's {len(part_numels)} averaged parts"
-    for index, numel in enumerate(part_numels):
+    chunks = spot_check.reducer_chunks(codec, part_numels)
+    for position, k in enumerate(sample):
+        index, start, stop = chunks[k]
         try:
-            parts = [codec.decode(inputs[sender][index], numel) for sender in senders]
+            values = [codec.decode(served[sender][1][position], stop - start) for sender in senders]
         except (ValueError, IndexError, KeyError) as e:
-            return INPUTS_DIFFER, f"part {index} of a sender does not decode: {e}"
-        result = aggregate(parts, list(weights), rule)
-        if codec.encode(result) == outputs[index]:
-            continue
+            return INPUTS_DIFFER, f"chunk {k} of a sender does not decode: {e}"
+        result = aggregate(values, list(weights), rule)
         try:
-            sent = codec.decode(outputs[index], numel)
+            averaged = spot_check.chunk_bytes(codec, outputs[index], part_numels[index], start, stop)
+            if codec.encode(result) == averaged:
+                continue
+            sent = codec.decode(averaged, stop - start)
         except ValueError as e:
             return WRONG_MEAN, f"averaged part {index} does not decode: {e}"
         off = int(off_values(codec, sent, result).sum())
         if off:
-            return WRONG_MEAN, f"averaged part {index}: {off} of {numel} values are not the {rule.name} of the inputs"
+            return WRONG_MEAN, (f"averaged part {index}, values {start}-{stop}: {off} of {stop - start} are not the "
+                                f"{rule.name} of the inputs")
     return AUDIT_OK, ""
 
 
@@ -369,7 +422,9 @@ class ReducerAudit(DecentralizedAverager):
             except Exception as e:  # a broken stream, a timeout, a refusal
                 future.set_result((UNAVAILABLE, f"could not fetch the reducer's inputs: {e!r}"))
                 return
-            verdict = judge_inputs(ledger.sender_names(), fetched.parts, input_digests) or fetched.recomputed
+            chunks = len(spot_check.reducer_chunks(self._round_codec(ledger), ledger.part_numels[reducer_id]))
+            verdict = (judge_served(ledger.sender_names(), chunks, fetched.sample, fetched.served, input_digests)
+                       or fetched.recomputed)
             if verdict[0] == WRONG_MEAN:
                 self.screen.ban(reducer_id, "a wrong all-reduce result", verdict[1])
             future.set_result(verdict)
@@ -379,63 +434,110 @@ class ReducerAudit(DecentralizedAverager):
             if not isinstance(e, Exception):
                 raise
 
+    def _round_codec(self, ledger: RoundLedger) -> Codec:
+        return ledger.codec or self.codec
+
     async def _fetch_and_recompute(self, ledger: RoundLedger, reducer: PeerID) -> FetchedInputs:
-        """`reducer`'s inputs in `ledger`'s round (:meth:`_fetch_inputs`) and its results recomputed on them."""
-        senders = ledger.sender_names()
+        """`reducer`'s sampled inputs in `ledger`'s round (:meth:`_fetch_inputs`) and its results recomputed on
+        them. The sample is drawn now, this peer's all-reduce over: every reducer's result is in."""
+        senders, codec = ledger.sender_names(), self._round_codec(ledger)
+        part_numels = ledger.part_numels[reducer]
+        chunks = spot_check.reducer_chunks(codec, part_numels)
+        sample = spot_check.spot_sample(ledger.spot_seed(), reducer.to_base58(), len(chunks))
         began = time.monotonic()
-        parts = dict(zip(senders, await self._fetch_inputs(ledger, reducer)))
+        served = dict(zip(senders, await self._fetch_inputs(ledger, reducer, sample)))
         fetched = time.monotonic()
         recomputed = await asyncio.get_event_loop().run_in_executor(
-            None, recompute_results, ledger.codec or self.codec, self.aggregation, ledger.part_numels[reducer],
-            senders,
-            ledger.weights, parts, ledger.kept_outputs.get(reducer, []))
-        logger.info("audit of reducer %s: its inputs (%.1f MB) fetched in %.2f s, its results recomputed in %.2f s",
-                    reducer.to_base58()[-8:], sum(map(len, itertools.chain(*parts.values()))) / 1e6,
+            None, recompute_sample, codec, self.aggregation, part_numels, senders, ledger.weights, sample, served,
+            ledger.kept_outputs.get(reducer, []))
+        logger.info("audit of reducer %s: %d of its %d chunks (%.2f MB of its inputs) fetched in %.2f s, "
+                    "recomputed in %.2f s", reducer.to_base58()[-8:], len(sample), len(chunks),
+                    sum(len(h) + sum(map(len, c)) for h, c in served.values()) / 1e6,
                     fetched - began, time.monotonic() - fetched)
-        return FetchedInputs(parts, recomputed)
+        return FetchedInputs(sample, served, recomputed)
 
-    async def _fetch_inputs(self, ledger: RoundLedger, reducer: PeerID) -> list[list[bytes]]:
-        """The encoded parts `reducer` holds from each sender of `ledger`'s round, in sender order. Each
-        message is bounded by the size of a part in the codec (a longer one ends the fetch)."""
-        sizes = [self.codec.encoded_size(numel) for numel in ledger.part_numels[reducer]]
+    async def _fetch_inputs(self, ledger: RoundLedger, reducer: PeerID, sample: list[int]) -> list[Served]:
+        """What `reducer` holds from each sender of `ledger`'s round, in sender order: the hash list of its
+        chunks and the chunks of `sample`. Each message is bounded by what it must hold (a hash list of one
+        entry per chunk; a chunk of its size in the codec): a longer one ends the fetch."""
+        codec = self._round_codec(ledger)
+        chunks = spot_check.reducer_chunks(codec, ledger.part_numels[reducer])
+        sizes = [codec.encoded_size(chunks[k][2] - chunks[k][1]) for k in sample]
         chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         stub = self.get_stub(self._p2p, reducer, namespace=self.prefix)
-        request = averaging_pb2.DownloadData(metadata=ledger.tokens[reducer].encode())
+        request = averaging_pb2.DownloadData(metadata=audit_request(ledger.tokens[reducer], sample))
+        self.traffic.add(sent=request.ByteSize(), phase="audit")
         stream = await asyncio.wait_for(stub.rpc_audit_inputs(request), self.request_timeout)
         inputs = []
         try:
             for _ in ledger.senders:
-                parts = []
+                message = await asyncio.wait_for(anext(stream), chunk_timeout)
+                self.traffic.add(received=message.ByteSize(), phase="audit")
+                if len(message.metadata) != spot_check.HASH_BYTES * len(chunks):
+                    raise ValueError(f"the reducer sent a hash list of {len(message.metadata)} bytes, "
+                                     f"{spot_check.HASH_BYTES * len(chunks)} expected")
+                hashes, sampled = message.metadata, []
                 for size in sizes:
                     message = await asyncio.wait_for(anext(stream), chunk_timeout)
+                    self.traffic.add(received=message.ByteSize(), phase="audit")
                     if len(message.tensor_part.buffer) > size:
-                        raise ValueError(f"the reducer sent a part of {len(message.tensor_part.buffer)} bytes, "
+                        raise ValueError(f"the reducer sent a chunk of {len(message.tensor_part.buffer)} bytes, "
                                          f"at most {size} expected")
-                    parts.append(message.tensor_part.buffer)
-                inputs.append(parts)
+                    sampled.append(message.tensor_part.buffer)
+                inputs.append((hashes, sampled))
         finally:
             await stream.aclose()  # this end closes the stream: the reducer's handler may now return
         return inputs
 
+    def served_inputs(self, ledger: RoundLedger, sample: list[int]) -> list[Served]:
+        """What this peer, as a reducer of `ledger`'s round, serves its auditor (:func:`served_inputs`): the
+        seam a hostile test peer patches."""
+        return served_inputs(self._round_codec(ledger), ledger.part_numels[self.peer_id],
+                             [ledger.inputs.get(sender, ()) for sender in ledger.senders], sample)
+
     async def rpc_audit_inputs(
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """The encoded parts this peer received as a reducer in its round named by the request's token
-        (``metadata``), sender by sender in sender order, each sender's parts in order. Only to this
-        peer's auditor in that round (a groupmate, by the rule every member computes): the others'
-        pseudo-gradients go to nobody else; nothing for a round this peer no longer keeps.
+        """What this peer received as a reducer in its round named by the request (:func:`audit_request`):
+        sender by sender in sender order, the hash list of its chunks (``metadata``), then the chunks the
+        request names, in order. Only to this peer's auditor in that round (a groupmate, by the rule every
+        member computes), and at most :func:`~p2p_diloco.sync.spot_check.sample_size` chunks: the others'
+        pseudo-gradients go to nobody else but that share; nothing for a round this peer no longer keeps.
 
         Like the all-reduce's handler (:meth:`ExactAllReduceRunner.rpc_aggregate_part
         <p2p_diloco.sync.exact_allreduce.ExactAllReduceRunner.rpc_aggregate_part>`), it keeps the stream
         open once it has sent everything, until the auditor closes it (at most ``next_chunk_timeout``):
         a stream closed by this end may lose its last bytes in transit."""
-        ledger = self._ledgers.get(request.metadata.decode("ascii", errors="replace"))
+        self.traffic.add(received=request.ByteSize(), phase="audit")
+        token, sample = read_audit_request(request.metadata)
+        ledger = self._ledgers.get(token)
         if ledger is None:  # an old round, or a made-up token: its auditor's verdict is "unavailable"
             return
         if ledger.auditors.get(self.peer_id) != context.remote_id:
             warn_once(context.remote_id.to_base58(), "a request for the inputs of a round it does not audit")
             return
-        for sender in ledger.senders:
-            for part in ledger.inputs.get(sender, ()):
-                yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=part))
+        chunks = len(spot_check.reducer_chunks(self._round_codec(ledger), ledger.part_numels[self.peer_id]))
+        if sample is None or len(sample) > spot_check.sample_size(chunks) or any(k >= chunks for k in sample):
+            warn_once(context.remote_id.to_base58(), "a request for more of the inputs than a spot check takes")
+            return
+        for hashes, sampled in self.served_inputs(ledger, sample):
+            for message in (averaging_pb2.DownloadData(metadata=hashes),
+                            *(averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=c)) for c in sampled)):
+                self.traffic.add(sent=message.ByteSize(), phase="audit")
+                yield message
         await asyncio.sleep(self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout)
+
+
+def audit_request(token: str, sample: Sequence[int]) -> bytes:
+    """The ``metadata`` of an auditor's request: the reducer's attempt token and the sampled chunks."""
+    return f"{token}:{','.join(map(str, sample))}".encode()
+
+
+def read_audit_request(metadata: bytes) -> tuple[str, Optional[list[int]]]:
+    """(token, the sampled chunks, strictly increasing) of a request; None for the chunks if malformed."""
+    token, _, listed = metadata.decode("ascii", errors="replace").partition(":")
+    try:
+        sample = [int(k) for k in listed.split(",")] if listed else []
+    except ValueError:
+        return token, None
+    return token, sample if all(a < b for a, b in zip([-1, *sample], sample)) else None

@@ -70,11 +70,9 @@ round for the whole group (:mod:`p2p_diloco.sync.commit`).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import functools
 import logging
-import multiprocessing as mp
 from typing import AsyncIterator, Optional, Sequence
 
 import hivemind.averaging.averager
@@ -98,6 +96,8 @@ from p2p_diloco.sync.group_screen import GroupMetadata, GroupScreen, MalformedGr
 from p2p_diloco.sync.membership import PlannedMatchmaking
 from p2p_diloco.sync.relay import RelayLayout, relay_group_size
 from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule, aggregate
+from p2p_diloco.sync.spot_check import aggregate_in_chunks
+from p2p_diloco.traffic import TrafficCounters, traffic_of
 
 logger = logging.getLogger(__name__)
 
@@ -106,32 +106,6 @@ CLOSE_WAIT_S = 10.0  # how long a reducer keeps a finished stream open for a sen
 
 class PartialRoundError(RuntimeError):
     """Some parts of the all-reduce were not averaged by their reducer: the result is not the mean."""
-
-
-class TrafficCounters:
-    """Tensor payload bytes this peer sent and received in all-reduce rounds, shared across processes.
-
-    Counts the serialized tensor parts (inputs to reducers, averaged parts back); protobuf framing,
-    libp2p overhead, DHT traffic and state downloads are not included.
-    """
-
-    def __init__(self):
-        self._sent = mp.Value(ctypes.c_int64, 0)
-        self._received = mp.Value(ctypes.c_int64, 0)
-
-    def add(self, sent: int = 0, received: int = 0) -> None:
-        with self._sent.get_lock():
-            self._sent.value += sent
-        with self._received.get_lock():
-            self._received.value += received
-
-    @property
-    def sent(self) -> int:
-        return self._sent.value
-
-    @property
-    def received(self) -> int:
-        return self._received.value
 
 
 class CodecCompression(CompressionBase):
@@ -189,7 +163,9 @@ def part_container_settings(codec: Codec, part_size_bytes: float = DEFAULT_PART_
 
 class SenderOrderReducer(TensorPartReducer):
     """hivemind's reducer of the parts this peer averages, with a result that is a fixed function of the
-    senders' parts: :func:`~p2p_diloco.sync.robust.aggregate` under the run's `rule`, in sender order.
+    senders' parts: :func:`~p2p_diloco.sync.robust.aggregate` under the run's `rule`, in sender order, of
+    each chunk of the parts that `codec` cuts (:func:`~p2p_diloco.sync.spot_check.aggregate_in_chunks`:
+    an auditor recomputes a sample of chunks; no codec: whole parts).
 
     hivemind adds each part into a running sum as it arrives (``accumulator.add_(part, alpha=w)``), so
     its result depends on which sender came first and on the CPU's kernel, and every peer copies the
@@ -199,8 +175,10 @@ class SenderOrderReducer(TensorPartReducer):
     place where the senders' parts meet.
     """
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, rule: AggregationRule = EXACT_MEAN):
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, rule: AggregationRule = EXACT_MEAN,
+                 codec: Optional[Codec] = None):
         self.rule = rule
+        self.codec = codec
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self):
@@ -252,8 +230,14 @@ class SenderOrderReducer(TensorPartReducer):
             if not senders:  # every sender of the part failed: nobody waits for its result
                 future.set_result(None)
                 return
-            work = asyncio.get_event_loop().run_in_executor(None, aggregate, parts, claims, self.rule)
+            work = asyncio.get_event_loop().run_in_executor(None, self.aggregate, parts, claims)
             work.add_done_callback(functools.partial(_pass_on, future))
+
+
+    def aggregate(self, parts: list[torch.Tensor], claims: list[float]) -> torch.Tensor:
+        if self.codec is None:
+            return aggregate(parts, claims, self.rule)
+        return aggregate_in_chunks(parts, claims, self.rule, self.codec)
 
 
 def _pass_on(future: asyncio.Future, work: asyncio.Future) -> None:
@@ -318,7 +302,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         super().__init__(**part_container_settings(codec, part_size_bytes), **kwargs)
         replaced = self.tensor_part_reducer  # hivemind's, built above and never used: see SenderOrderReducer
         replaced.finished.set()  # (its finalize would warn that it received nothing)
-        self.tensor_part_reducer = SenderOrderReducer(replaced.part_shapes, replaced.num_senders, rule)
+        self.tensor_part_reducer = SenderOrderReducer(replaced.part_shapes, replaced.num_senders, rule, codec)
         self.codec = codec
         self.sent = sent
         self._averaged_bytes: dict[int, bytes] = {}  # part index -> the averaged part this reducer sends
@@ -372,7 +356,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 counted = await loop.run_in_executor(None, self.codec.decode, message.tensor_part.buffer, part.numel())
                 self._record_sent(info, counted)  # in the event loop: never after the round is torn down
             if self.ledger is not None:
-                self.ledger.sent_input(self.ordered_peer_ids[peer_index], message.tensor_part.buffer)
+                self.ledger.sent_input(self.ordered_peer_ids[peer_index], message.tensor_part.buffer,
+                                       parts[part_index][0].numel(), self.codec)
             self.traffic.add(sent=len(message.tensor_part.buffer))
             yield message
             if first and self.fault_send_pause_s:
@@ -405,7 +390,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             if self.sent is not None:
                 self._record_sent(self.tensor_part_container._input_parts_by_peer[peer_index][part_index][1], counted)
             if self.ledger is not None:
-                self.ledger.sent_input(peer_id, own)
+                self.ledger.sent_input(peer_id, own, tensor_part.numel(), self.codec)
                 self.ledger.received_input(peer_id, part_index, own)
             averaged_part = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, counted, weight=self.sender_weights[peer_id]
@@ -598,8 +583,8 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
         # one round trip before the averager process forks: it then holds bitsandbytes already, whose import
         # on first use took ~10 s on a loaded machine, inside the first round (longer than next_chunk_timeout)
         self.codec.decode(self.codec.encode(torch.ones(256)), 256)
-        self.traffic = TrafficCounters()  # created before the averager process forks, so both see it
         dht = args[0] if args else kwargs.get("dht")  # hivemind's second argument
+        self.traffic = traffic_of(dht)  # created before the averager process forks, so both see it
         # used in the averager process; a private run's members known before any handler is registered
         self.screen = GroupScreen(members=getattr(dht, "members", None))
         self.rounds_started = 0  # counted in the averager process
