@@ -45,6 +45,7 @@ from p2p_diloco.remote_input import (
     MAX_TENSORS, Count, FiniteFloat, Model, OuterStep, Sha256Hex, StrictModel, Token, parse, warn_once,
 )
 from p2p_diloco.swarm.identity import Identity, owner_peer_id
+from p2p_diloco.traffic import counted_get, counted_store
 
 logger = logging.getLogger(__name__)
 
@@ -258,9 +259,11 @@ def read_signed(model: Type[Model], subkey: object, value: object, what: str) ->
     return author, record
 
 
-def signed_records(dht, key: str, model: Type[Model], what: str) -> Iterator[tuple[str, Model, float]]:
-    """(author, record, expiration time) of each well-formed signed record under `key` (:func:`read_signed`)."""
-    found = dht.get(key, latest=True)
+def signed_records(dht, key: str, model: Type[Model], what: str,
+                   phase: str = "records") -> Iterator[tuple[str, Model, float]]:
+    """(author, record, expiration time) of each well-formed signed record under `key` (:func:`read_signed`);
+    the bytes of the read are counted in `phase` (:mod:`p2p_diloco.traffic`)."""
+    found = counted_get(dht, key, phase)
     if found is None or not isinstance(found.value, dict):
         return
     for subkey, item in found.value.items():
@@ -414,7 +417,7 @@ class RecordPublisher:
 
     def _store(self, value: dict, complain: bool = True) -> None:
         try:
-            ok = self.dht.store(self.key, value=value, subkey=self.subkey, expiration_time=get_dht_time() + self.ttl)
+            ok = counted_store(self.dht, self.key, value, self.subkey, get_dht_time() + self.ttl, "records")
         except Exception as e:  # the DHT process is gone (shutting down): nothing left to tell
             logger.debug("could not store the %s record: %r", self.what, e)
             return

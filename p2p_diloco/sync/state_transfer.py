@@ -48,6 +48,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from p2p_diloco import faults
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.remote_input import Count, OuterStep, Sha256Hex, StrictModel, parse, tensor_problem, warn_once
+from p2p_diloco.traffic import counted_get, traffic_of
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,7 @@ class StateSharing(DecentralizedAverager):
             return
         first = True
         async for message in super().rpc_download_state(request, context):
+            traffic_of(self.dht).add(sent=message.ByteSize(), phase="state")
             yield message
             if first:
                 first = False
@@ -220,7 +222,7 @@ class StateSharing(DecentralizedAverager):
 
     def _donors_by_priority(self, exclude: set[str]) -> list[PeerID]:
         key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
-        found = self.dht.get(key, latest=True)
+        found = counted_get(self.dht, key, "state")
         declared = found.value if found is not None and isinstance(found.value, dict) else {}
         priorities = {}
         for peer_bytes, info in declared.items():
@@ -250,6 +252,7 @@ class StateSharing(DecentralizedAverager):
             except StopAsyncIteration:
                 break
             received += len(message.tensor_part.buffer) + len(message.metadata)
+            traffic_of(self.dht).add(received=message.ByteSize(), phase="state")
             if received > max_bytes:
                 raise MalformedStateError(f"the donor sent more than the {max_bytes} bytes a state can hold")
             if message.metadata:
@@ -279,9 +282,9 @@ class StateSharing(DecentralizedAverager):
         try:
             metadata, tensors, _ = await self._get_current_state_from_host_process()
             stub = self.get_stub(self._p2p, PeerID.from_base58(keeper), namespace=self.prefix)
-            reply = await asyncio.wait_for(stub.rpc_take_state(as_aiter(*state_messages(metadata, tensors,
-                                                                                          self.state_compression))),
-                                           timeout)
+            messages = state_messages(metadata, tensors, self.state_compression)
+            traffic_of(self.dht).add(sent=sum(message.ByteSize() for message in messages), phase="state")
+            reply = await asyncio.wait_for(stub.rpc_take_state(as_aiter(*messages)), timeout)
             future.set_result("" if reply.code == averaging_pb2.ACCEPTED else
                               f"the keeper answered {averaging_pb2.MessageCode.Name(reply.code)}")
         except Exception as e:
