@@ -3,8 +3,8 @@
 Everything runs in a network namespace of its own with only a loopback (tests/netns.py): torchrun's
 rendezvous store listens on every interface, which there reaches nothing else. One swarm serves the
 whole test: the island and the single-process peer average together (one θ_global per step, the
-island's samples twice its batch per inner step, θ_local the same bytes on both ranks after every
-inner step, its status record says 2 ranks); SIGKILL of rank 1 stops the island's rank 0, which leaves
+island's samples twice its batch per inner step, the group's samples the sum of both peers', θ_local
+the same bytes on both ranks after every inner step, its status record says 2 ranks); SIGKILL of rank 1 stops the island's rank 0, which leaves
 the swarm, and the other peer goes on; the island restarted resumes from its checkpoint and averages
 again, first data-parallel (DDP), then sharded (FSDP2).
 """
@@ -120,6 +120,11 @@ def test_an_island_of_two_ranks_trains_with_a_single_peer_fails_as_one_and_resum
     assert all(r["group_size"] == 2 for r in outer_steps(island)[:3]), outer_steps(island)
     assert samples_per_inner_step(island) == {2.0 * BATCH}
     assert samples_per_inner_step(single) == {1.0 * BATCH}
+    # the group counts both peers' samples, the island's twice the other's (the rule's bound: sync/robust.py)
+    theirs = {r["outer_step"]: r for r in outer_steps(single)}
+    for record in outer_steps(island)[:3]:
+        other = theirs[record["outer_step"]]
+        assert record["group_samples"] == other["group_samples"] == record["samples"] + other["samples"], (record, other)
     log = processes.log("island")
     assert log.count(CHECKED) >= outer_steps(island)[2]["inner_steps"], log[-3000:]
     assert "differs" not in log and "[rank 1]" in log
