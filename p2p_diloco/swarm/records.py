@@ -123,8 +123,9 @@ class RoundReport(StrictModel):
     """A peer's report on one averaging round (see :mod:`p2p_diloco.sync.commit`).
 
     ``inputs`` and ``outputs`` are what travelled, as this peer saw it (:mod:`p2p_diloco.sync.audit`):
-    for each reducer of the round (this peer included, if it reduced), the sha256 of the encoded parts
-    this peer sent it, and of the averaged parts it got back from it, all parts in order. A reducer's
+    for each reducer of the round (this peer included, if it reduced), the sha256 of the hash list of the
+    chunks of the encoded parts this peer sent it (:mod:`p2p_diloco.sync.spot_check`), and of the averaged
+    parts it got back from it, all parts in order. A reducer's
     own ``outputs`` entry is its signed statement of the averaged bytes it sent everyone. ``audits``
     holds this peer's verdict on each reducer it audited (published again once the audit is done).
     """

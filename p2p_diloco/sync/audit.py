@@ -8,8 +8,9 @@ when they are not the same it does not say whose fault that is. So:
 
 * **What travelled is on record.** Every input of a reducer is bytes in the run's codec, its own
   parts included (they are encoded and decoded like everyone's). In each round every member keeps a
-  :class:`RoundLedger` (in the averager process): the sha256 of the encoded parts it sent each
-  reducer and of the averaged parts it got back from each, all parts in order (for itself, its own
+  :class:`RoundLedger` (in the averager process): the sha256 of the hash list of the chunks of the
+  encoded parts it sent each reducer (:func:`~p2p_diloco.sync.spot_check.input_digest`) and of the
+  averaged parts it got back from each, all parts in order (for itself, its own
   encoded parts and its own encoded results), and as a reducer the encoded parts each sender sent it,
   for the last :data:`KEPT_ROUNDS` rounds. The digests go into its signed round report (``inputs``,
   ``outputs``: :class:`~p2p_diloco.swarm.records.RoundReport`).
@@ -125,7 +126,7 @@ def digest(parts: Iterable[bytes]) -> str:
 class RoundDigests:
     """What travelled in a round, for this peer's round report (peer IDs in base58)."""
 
-    inputs: dict[str, str]  # reducer -> sha256 of the encoded parts this peer sent it
+    inputs: dict[str, str]  # reducer -> sha256 of the hash list of the chunks of the parts this peer sent it
     outputs: dict[str, str]  # reducer -> sha256 of the averaged parts this peer got from it
     auditors: dict[str, str]  # reducer -> its auditor
     tokens: dict[str, str]  # member (role "peer") -> its attempt token
