@@ -58,8 +58,8 @@ not part of the all-reduce time. Per (B, codec) the table gives:
   before it commits the mean (p2p_diloco/sync/commit.py, audit.py); **matchmaking s** is the median
   of (the first peer's start of the all-reduce) − (the common start), and **commit s** the rest of
   the round after the all-reduce: these are a round's fixed costs;
-- **payload MB**: the tensor bytes each peer sent plus received in the round (averager.traffic:
-  serialized parts only), the mean over peers and rounds, and the peak (the largest of any peer in
+- **payload MB**: the tensor bytes each peer sent plus received in the round (averager.traffic's
+  all-reduce phase: serialized parts only), the mean over peers and rounds, and the peak (the largest of any peer in
   any round); for N peers the ideal is 2 · 2(N−1)/N · S_codec;
 - **eth0 MB**: the bytes each peer's interface sent plus received from the common start to its
   return (everything: TCP/IP, TLS, yamux, protobuf framing, DHT and the round reports), mean and peak;
@@ -282,7 +282,7 @@ def run_worker(args) -> None:
                 delta = torch.randn(numel, generator=generator) * 1e-3
                 start = _barrier(sync_dir, f"{p}-{r}", index, STARTUP_TIMEOUT_S + 4 * cfg.allreduce_timeout)
                 time.sleep(max(0.0, start - time.time()))
-                sent0, received0 = sync.averager.traffic.sent, sync.averager.traffic.received
+                allreduce0 = sync.averager.traffic.by_phase()["allreduce"]  # the all-reduce's alone: its payload
                 tx0, rx0 = _iface_bytes()
                 marks = watch.start()
                 called = time.time()
@@ -302,8 +302,8 @@ def run_worker(args) -> None:
                               cpu_s=marks.get("cpu_s"), p2pd_cpu_s=marks.get("p2pd_cpu_s"),
                               group_size=group_size, error=error,
                               mean_sha256=tensors_sha256(mean) if mean is not None else None,
-                              sent=sync.averager.traffic.sent - sent0,
-                              received=sync.averager.traffic.received - received0,
+                              **{way: count - allreduce0[way]
+                                 for way, count in sync.averager.traffic.by_phase()["allreduce"].items()},
                               iface_tx=tx1 - tx0, iface_rx=rx1 - rx0)
                 with open(records, "a") as f:
                     f.write(json.dumps(record) + "\n")
