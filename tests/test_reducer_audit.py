@@ -17,7 +17,7 @@ import torch
 
 from p2p_diloco.swarm.records import AUDIT_OK, INPUTS_DIFFER, WRONG_MEAN, RoundReport
 from p2p_diloco.sync import spot_check
-from p2p_diloco.sync.audit import auditors, check_reducer, served_inputs
+from p2p_diloco.sync.audit import audit_request, auditors, check_reducer, read_audit_request, served_inputs
 from p2p_diloco.sync.codecs import CODECS
 from p2p_diloco.sync.commit import judge
 from p2p_diloco.sync.exact_allreduce import SenderOrderReducer
@@ -158,17 +158,20 @@ def test_a_reducer_aggregates_chunk_by_chunk(rule):
         assert torch.equal(result, aggregate(parts, claims, rule))
 
 
-def test_the_sample_is_the_same_on_every_member_and_follows_the_round():
-    outputs = {PEERS[0]: SHA["mean"], PEERS[1]: SHA["other"]}
-    seed = spot_check.round_seed(tokens_of(PEERS[:2]).values(), outputs)
-    assert seed == spot_check.round_seed(reversed(list(tokens_of(PEERS[:2]).values())), dict(reversed(outputs.items())))
-    sample = spot_check.spot_sample(seed, PEERS[0], 240)
+def test_the_sample_is_drawn_from_the_auditor_s_secret_which_its_token_commits_to():
+    """The auditor's token, gathered before the round, is the commitment to its secret; the reducer, given the
+    secret in the request, checks it and draws the same sample; another secret draws another."""
+    secret, other = bytes(range(16)), bytes(range(1, 17))
+    token = spot_check.token_of(secret)
+    assert len(token) == 16 and int(token, 16) >= 0 and token != spot_check.token_of(other)
+    token_of_reducer = "0123456789abcdef"
+    assert read_audit_request(audit_request(token_of_reducer, secret)) == (token_of_reducer, secret)
+    assert read_audit_request(b"0123:zz") == ("0123", None) and read_audit_request(b"0123:00ff") == ("0123", None)
+    sample = spot_check.spot_sample(spot_check.sample_seed(secret), PEERS[0], 240)
     assert len(sample) == 240 // spot_check.SAMPLE_ONE_IN and sample == sorted(set(sample))
-    assert sample == spot_check.spot_sample(seed, PEERS[0], 240)
-    # another result of any reducer, another sample; a small reducer is checked on one chunk at least
-    other = spot_check.round_seed(tokens_of(PEERS[:2]).values(), {**outputs, PEERS[1]: SHA["lie"]})
-    assert spot_check.spot_sample(other, PEERS[0], 240) != sample
-    assert len(spot_check.spot_sample(seed, PEERS[0], 3)) == 1
+    assert sample == spot_check.spot_sample(spot_check.sample_seed(secret), PEERS[0], 240)
+    assert spot_check.spot_sample(spot_check.sample_seed(other), PEERS[0], 240) != sample
+    assert len(spot_check.spot_sample(spot_check.sample_seed(secret), PEERS[0], 3)) == 1  # one chunk at least
 
 
 def test_the_probability_of_a_catch():

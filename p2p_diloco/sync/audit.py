@@ -21,10 +21,11 @@ when they are not the same it does not say whose fault that is. So:
 * **Each reducer's result is spot-checked.** Each reducer is audited by one other member
   (:func:`auditors`: a rotation of the sorted peer IDs by a seed every member computes from the
   round's tokens). As soon as its all-reduce is done, while the members exchange their reports, the
-  auditor draws a sample of the reducer's chunks from the round's tokens and the digests of every
-  reducer's averaged parts (:mod:`p2p_diloco.sync.spot_check`: one chunk in 12, chosen once every
-  result is sent), and fetches from the reducer (:meth:`ReducerAudit.rpc_audit_inputs`, which
-  answers its auditor in that round alone) each sender's hash list and the sampled chunks of each
+  auditor reveals its secret, whose commitment is its attempt token (:mod:`p2p_diloco.sync.spot_check`:
+  the reducer cannot know it before it sent its result), and fetches from the reducer
+  (:meth:`ReducerAudit.rpc_audit_inputs`, which answers its auditor in that round alone, after it
+  checked the secret against the token) one chunk in 12 of its inputs, drawn from that secret: each
+  sender's hash list and the sampled chunks of each
   sender's parts; it recomputes those chunks with the reducer's own function
   (:func:`~p2p_diloco.sync.spot_check.aggregate_in_chunks`, a fixed function of each chunk's decoded
   values) and compares them with the averaged bytes it received, whose digest is the reducer's
@@ -41,11 +42,8 @@ What this does not stop:
   mean applied nor an honest reducer banned by an honest member (the auditor bans on its own list).
 * A reducer that changes few of its chunks is caught with the probability that the sample holds
   one of them: ``1 − C(N − k, s) / C(N, s)`` for k changed of N chunks and s sampled, at least
-  ``1 − (1 − k/N)^s`` (docs/security.md has the table). It is caught at once if it changes a value
-  in every chunk (the garbage reducer of the hostile tests). The sample's seed holds its own result:
-  a reducer that holds back its last averaged part until it has every other reducer's result can try
-  variants of that part, each a new sample, and send one whose sample misses its changes; the tries
-  it needs grow as ``1 / (1 − k/N)^s``, past reach for large k, not for one chunk. The update check
+  ``1 − (1 − k/N)^s`` (docs/security.md has the table), in each round anew. It is caught at once if
+  it changes a value in every chunk (the garbage reducer of the hostile tests). The update check
   (:mod:`p2p_diloco.train.update_check`) bounds what it moves.
 * A hostile reducer audited by a hostile member passes a wrong result on its parts. Robust
   aggregation does not bound it (the reducer is the one that aggregates); the check of the update
@@ -74,6 +72,7 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -149,6 +148,7 @@ class RoundLedger:
     part_numels: dict[PeerID, list[int]]  # reducer -> the values of each of its parts
     auditors: dict[PeerID, PeerID]  # reducer -> its auditor
     codec: Optional[Codec] = None  # the round's parts' (Codec.for_round); None: the averager's codec as it is
+    secret: Optional[bytes] = None  # this peer's, whose commitment is its token: the seed of the sample it audits
     _sent: dict[PeerID, Any] = field(default_factory=dict)  # reducer -> sha256 of the parts sent it, so far
     _received: dict[PeerID, Any] = field(default_factory=dict)  # reducer -> sha256 of its averaged parts, so far
     kept_outputs: dict[PeerID, list[bytes]] = field(default_factory=dict)  # of the reducers this peer audits
@@ -190,11 +190,6 @@ class RoundLedger:
         parts = self.inputs.setdefault(sender, [])
         if part_index == len(parts):
             parts.append(bytes(data))
-
-    def spot_seed(self) -> bytes:
-        """The seed of this round's spot checks (:func:`~p2p_diloco.sync.spot_check.round_seed`), once every
-        reducer's averaged parts are in."""
-        return spot_check.round_seed(self.tokens.values(), {r.to_base58(): h.hexdigest() for r, h in self._received.items()})
 
     def digests(self) -> RoundDigests:
         return RoundDigests(
@@ -336,10 +331,27 @@ class ReducerAudit(DecentralizedAverager):
 
     def __init__(self, *args, **kwargs):
         self._ledgers: OrderedDict[str, RoundLedger] = OrderedDict()  # the averager process's own copy is used
+        self._secrets: OrderedDict[str, bytes] = OrderedDict()  # token -> this peer's secret of that attempt
         super().__init__(*args, **kwargs)
 
+    def new_token(self, timeout: float = 5.0) -> str:
+        """A token for this peer's next attempt at a round (host process): the commitment to a secret the
+        averager keeps (:func:`~p2p_diloco.sync.spot_check.token_of`), revealed to the reducer this peer
+        audits in that round once it holds its results."""
+        secret = secrets.token_bytes(spot_check.SECRET_BYTES)
+        token = spot_check.token_of(secret)
+        self._call("_keep_secret", wait_s=timeout, token=token, secret=secret)
+        return token
+
+    async def _keep_secret(self, future: MPFuture, token: str, secret: bytes) -> None:
+        self._secrets[token] = secret
+        while len(self._secrets) > 4 * KEPT_ROUNDS:  # attempts that never reached an all-reduce leave theirs
+            self._secrets.popitem(last=False)
+        future.set_result(True)
+
     def keep_ledger(self, ledger: RoundLedger) -> None:
-        """Keep `ledger` (averager process), and only the last :data:`KEPT_ROUNDS`."""
+        """Keep `ledger` (averager process), and only the last :data:`KEPT_ROUNDS`, with this peer's secret."""
+        ledger.secret = self._secrets.get(ledger.token)
         self._ledgers[ledger.token] = ledger
         while len(self._ledgers) > KEPT_ROUNDS:
             _, dropped = self._ledgers.popitem(last=False)
@@ -440,11 +452,14 @@ class ReducerAudit(DecentralizedAverager):
 
     async def _fetch_and_recompute(self, ledger: RoundLedger, reducer: PeerID) -> FetchedInputs:
         """`reducer`'s sampled inputs in `ledger`'s round (:meth:`_fetch_inputs`) and its results recomputed on
-        them. The sample is drawn now, this peer's all-reduce over: every reducer's result is in."""
+        them. The sample is drawn from this peer's secret, revealed now: it holds every averaged part of the
+        reducer."""
+        if ledger.secret is None:
+            raise ValueError("this peer holds no secret for its round: it took its token elsewhere")
         senders, codec = ledger.sender_names(), self._round_codec(ledger)
         part_numels = ledger.part_numels[reducer]
         chunks = spot_check.reducer_chunks(codec, part_numels)
-        sample = spot_check.spot_sample(ledger.spot_seed(), reducer.to_base58(), len(chunks))
+        sample = spot_check.spot_sample(spot_check.sample_seed(ledger.secret), reducer.to_base58(), len(chunks))
         began = time.monotonic()
         served = dict(zip(senders, await self._fetch_inputs(ledger, reducer, sample)))
         fetched = time.monotonic()
@@ -466,7 +481,7 @@ class ReducerAudit(DecentralizedAverager):
         sizes = [codec.encoded_size(chunks[k][2] - chunks[k][1]) for k in sample]
         chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         stub = self.get_stub(self._p2p, reducer, namespace=self.prefix)
-        request = averaging_pb2.DownloadData(metadata=audit_request(ledger.tokens[reducer], sample))
+        request = averaging_pb2.DownloadData(metadata=audit_request(ledger.tokens[reducer], ledger.secret))
         self.traffic.add(sent=request.ByteSize(), phase="audit")
         stream = await asyncio.wait_for(stub.rpc_audit_inputs(request), self.request_timeout)
         inputs = []
@@ -500,27 +515,29 @@ class ReducerAudit(DecentralizedAverager):
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         """What this peer received as a reducer in its round named by the request (:func:`audit_request`):
-        sender by sender in sender order, the hash list of its chunks (``metadata``), then the chunks the
-        request names, in order. Only to this peer's auditor in that round (a groupmate, by the rule every
-        member computes), and at most :func:`~p2p_diloco.sync.spot_check.sample_size` chunks: the others'
-        pseudo-gradients go to nobody else but that share; nothing for a round this peer no longer keeps.
+        sender by sender in sender order, the hash list of its chunks (``metadata``), then the chunks of the
+        sample that the auditor's secret draws, in order. Only to this peer's auditor in that round (a
+        groupmate, by the rule every member computes), and only if the secret is the one its token commits
+        to: the others' pseudo-gradients go to nobody else, and to it only that sample; nothing for a round
+        this peer no longer keeps.
 
         Like the all-reduce's handler (:meth:`ExactAllReduceRunner.rpc_aggregate_part
         <p2p_diloco.sync.exact_allreduce.ExactAllReduceRunner.rpc_aggregate_part>`), it keeps the stream
         open once it has sent everything, until the auditor closes it (at most ``next_chunk_timeout``):
         a stream closed by this end may lose its last bytes in transit."""
         self.traffic.add(received=request.ByteSize(), phase="audit")
-        token, sample = read_audit_request(request.metadata)
+        token, secret = read_audit_request(request.metadata)
         ledger = self._ledgers.get(token)
         if ledger is None:  # an old round, or a made-up token: its auditor's verdict is "unavailable"
             return
         if ledger.auditors.get(self.peer_id) != context.remote_id:
             warn_once(context.remote_id.to_base58(), "a request for the inputs of a round it does not audit")
             return
-        chunks = len(spot_check.reducer_chunks(self._round_codec(ledger), ledger.part_numels[self.peer_id]))
-        if sample is None or len(sample) > spot_check.sample_size(chunks) or any(k >= chunks for k in sample):
-            warn_once(context.remote_id.to_base58(), "a request for more of the inputs than a spot check takes")
+        if secret is None or spot_check.token_of(secret) != ledger.tokens.get(context.remote_id):
+            warn_once(context.remote_id.to_base58(), "an audit request whose secret is not its token's")
             return
+        chunks = len(spot_check.reducer_chunks(self._round_codec(ledger), ledger.part_numels[self.peer_id]))
+        sample = spot_check.spot_sample(spot_check.sample_seed(secret), self.peer_id.to_base58(), chunks)
         for hashes, sampled in self.served_inputs(ledger, sample):
             for message in (averaging_pb2.DownloadData(metadata=hashes),
                             *(averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=c)) for c in sampled)):
@@ -529,16 +546,16 @@ class ReducerAudit(DecentralizedAverager):
         await asyncio.sleep(self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout)
 
 
-def audit_request(token: str, sample: Sequence[int]) -> bytes:
-    """The ``metadata`` of an auditor's request: the reducer's attempt token and the sampled chunks."""
-    return f"{token}:{','.join(map(str, sample))}".encode()
+def audit_request(token: str, secret: bytes) -> bytes:
+    """The ``metadata`` of an auditor's request: the reducer's attempt token and the auditor's secret."""
+    return f"{token}:{secret.hex()}".encode()
 
 
-def read_audit_request(metadata: bytes) -> tuple[str, Optional[list[int]]]:
-    """(token, the sampled chunks, strictly increasing) of a request; None for the chunks if malformed."""
-    token, _, listed = metadata.decode("ascii", errors="replace").partition(":")
+def read_audit_request(metadata: bytes) -> tuple[str, Optional[bytes]]:
+    """(token, secret) of a request; None for the secret if malformed."""
+    token, _, secret = metadata.decode("ascii", errors="replace").partition(":")
     try:
-        sample = [int(k) for k in listed.split(",")] if listed else []
+        revealed = bytes.fromhex(secret)
     except ValueError:
         return token, None
-    return token, sample if all(a < b for a, b in zip([-1, *sample], sample)) else None
+    return token, revealed if len(revealed) == spot_check.SECRET_BYTES else None

@@ -19,7 +19,6 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import secrets
 import signal
 import threading
 import time
@@ -323,7 +322,7 @@ class OuterSync:
         delta = pseudo_gradient if isinstance(pseudo_gradient, PendingDelta) else PendingDelta(pseudo_gradient)
         if delta.settled and delta.tensors is None:
             raise RoundFailed("this peer stopped before its pseudo-gradient was taken", tensors_touched=False)
-        token = secrets.token_hex(8)  # names this attempt in the group's round reports
+        token = self.averager.new_token()  # names this attempt in the group's round reports; commits to a secret
         times = RoundTimes(started=time.monotonic())
         try:
             result = self._all_reduce(delta, samples, outer_step, global_sha256, fragment, token, stop,

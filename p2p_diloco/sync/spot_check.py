@@ -22,11 +22,14 @@ sample before it has sent its result:
   of depth 2). The reducer serves its auditor each sender's hash list (32 bytes a chunk) and the
   sampled chunks; the auditor checks the list against the sender's digest and each chunk against
   its entry (:func:`judge_served`).
-* **Chosen after the round.** The sample is drawn from a seed every member computes alike once its
-  all-reduce is over: the sha256 of the round's tokens and of the digests of every reducer's
-  averaged parts (:func:`round_seed`), the audited reducer's own included. A reducer cannot know it
-  before it has sent its last averaged part; it can only try variants of that last part once it
-  holds every other reducer's result, each try a new sample (see docs/security.md).
+* **Chosen after the round.** The sample is drawn from the auditor's secret (:func:`sample_seed`), 16
+  random bytes whose commitment is the auditor's attempt token (:func:`token_of`), which every member
+  gathered before any part moved. The auditor reveals the secret in its request, once it holds all of
+  the reducer's averaged parts; the reducer checks it against the token and draws the same sample.
+  So the reducer sends its result before it can know the sample, and nothing it sends changes the
+  sample: it cannot try variants of its result until one's sample misses its changes, as it could
+  with a seed of the round's own bytes. A result it sent others later than its auditor must still be
+  the bytes its report states, which every member checks (:func:`~p2p_diloco.sync.commit.judge`).
 * **A fixed share.** :func:`sample_size` chunks of a reducer's N: one in :data:`SAMPLE_ONE_IN`, at
   least one. The auditor fetches that share of the reducer's inputs plus the hash lists; a peer's
   all-reduce moves at least as many bytes as a reducer's inputs, so the audit is at most
@@ -42,7 +45,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -124,12 +127,17 @@ def input_digest(hashes: bytes) -> str:
     return hashlib.sha256(hashes).hexdigest()
 
 
-def round_seed(tokens: Iterable[str], outputs: dict[str, str]) -> bytes:
-    """The seed of a round's samples: the sha256 of its members' tokens (sorted) and of each reducer's
-    digest of averaged parts (reducer base58 -> sha256, sorted by reducer). Every member that got the
-    same averaged bytes computes the same, once its all-reduce is over."""
-    text = ",".join(sorted(tokens)) + ";" + ",".join(f"{r}:{d}" for r, d in sorted(outputs.items()))
-    return hashlib.sha256(b"p2p-diloco spot check " + text.encode()).digest()
+SECRET_BYTES = 16
+
+
+def token_of(secret: bytes) -> str:
+    """The attempt token a peer gathers for a round (16 hex digits, as before): the commitment to its secret."""
+    return hashlib.sha256(b"p2p-diloco audit secret " + secret).hexdigest()[:16]
+
+
+def sample_seed(secret: bytes) -> bytes:
+    """The seed of the sample an auditor draws with its `secret` (:func:`spot_sample`)."""
+    return hashlib.sha256(b"p2p-diloco spot check " + secret).digest()
 
 
 def sample_size(chunks: int) -> int:
