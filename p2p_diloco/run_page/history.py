@@ -27,7 +27,7 @@ SERIES = {  # name: (title, unit), in the page's order
     "loss": ("training loss", ""),
     "eval_loss": ("held-out loss of θ_global", ""),
     "group_size": ("group size", " peers"),
-    "sync_bytes": ("all-reduce bytes per outer step", "B"),
+    "sync_bytes": ("bytes per outer step", "B"),
     "utilization": ("compute utilization", ""),
     "peers": ("live peers", ""),
     "tokens_per_s": ("swarm throughput", " tokens/s"),

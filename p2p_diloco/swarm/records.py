@@ -99,7 +99,7 @@ class StatusValue(StrictModel):
     counted_samples: Optional[Count] = None  # of those, what its groups' rule counted (sync/robust.py fair_weights)
     rounds: Count = 0  # outer steps it applied with a group of two or more
     group_size: Count = 0  # of its last applied outer step (0: none yet)
-    sync_bytes: Count = 0  # the all-reduce's payload it sent and received in that outer step
+    sync_bytes: Count = 0  # the bytes it sent and received since its outer step before, every phase (p2p_diloco.traffic)
     utilization: Optional[Fraction] = None  # inner-step time / wall time over that outer step
     rounds_not_applied: Count = 0  # in a row: from EXCLUDED_AFTER_ROUNDS on, it is excluded (swarm/status.py)
     # its latest held-out loss of θ_global (p2p_diloco.train.heldout; a cross-entropy: >= 0) ...

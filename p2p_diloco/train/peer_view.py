@@ -47,8 +47,8 @@ class PeerView:
 
     def applied(self, samples: int, group_size: int, traffic_total: int, utilization: float,
                 counted_samples: int | None = None) -> None:
-        """An outer step applied: its samples and group size, the all-reduce bytes since the last one
-        (`traffic_total` counts them all, sent and received) and the compute utilization since the last
+        """An outer step applied: its samples and group size, the bytes since the last one (`traffic_total`
+        counts them all, sent and received, in every phase: :mod:`p2p_diloco.traffic`) and the compute utilization since the last
         one; stored with the next record the loop publishes. `counted_samples`: what the group's rule
         counted of `samples` (:attr:`GroupMean.counted_samples <p2p_diloco.sync.outer_sync.GroupMean>`), shown
         beside them; a record says none while no round reported it."""
