@@ -10,17 +10,24 @@ alter what it sends), all on one run config, starting together, until the honest
 --outer-steps outer steps (or --timeout). Attacks (tests/hostile_peer.py says exactly what each sends):
 
 * ``scale:100``, ``scale:3``: K·Δ; ``flip``: −Δ; ``noise:100``: Gaussian noise of 100·‖Δ‖;
+* ``samples``, ``samples:10``: its own Δ with a claim of 2^48 samples, or of 10 × its real samples;
 * ``samples+flip``: −Δ weighted by a claim of 2^48 samples (with the exact mean, the liar's −Δ is the mean);
 * ``alie``: "A Little Is Enough" (arXiv 1902.06156), μ − z·σ of the colluders' own Δ, z from the paper's
   formula for n = --peers and f = the cell's hostile count (one colluder: Δ − z·|Δ|);
 * ``garbage-reducer``: as a reducer, 100 × the mean plus noise, the same to everyone;
 * ``equivocating-reducer``: as a reducer, (i + 2) × the mean to sender i.
 
-Defence ``on`` is the shipped default (``outer.aggregation = "centered-clip"``, sample claims capped at the
-group's median, the update check ``outer.max_update_growth``); ``off`` is DiLoCo's exact weighted mean
-with the update check off (``aggregation = "mean"``, ``max_update_growth = 0``). Cell ``D/0/clean`` (no
+Defence ``on`` is the shipped default (``outer.aggregation = "centered-clip"``, sample claims counted up to
+``claim_cap`` × the group's median while no minority outweighs the rest, norms clipped to the median norm,
+the update check ``outer.max_update_growth``); ``old`` is the rule before issue 44 (claims capped at the
+median, norms at 2 × the median: ``claim_cap = 1``, ``norm_clip = 2``); ``off`` is DiLoCo's exact weighted
+mean with the update check off (``aggregation = "mean"``, ``max_update_growth = 0``). Cell ``D/0/clean`` (no
 attacker) is each defence's reference: a cell's loss is compared with the clean run of its own defence,
-and the clean runs with each other say what the defence costs an honest swarm.
+and the clean runs with each other say what the defence costs an honest swarm. Cell ``D/0/island`` is an
+honest swarm whose first peer is an island of 2 ranks (``torchrun --standalone --nproc-per-node 2``, gloo on
+the CPU: its rendezvous store listens on every interface while the cell runs), twice a plain peer's samples
+per inner step; the column "group samples" (the median of the honest peers' ``group_samples``) shows what
+the rule counted of them.
 
 The run config is peers/demo.toml (0.69M-parameter Llama, the shipped [outer] defaults: 4-bit
 pseudo-gradients with error feedback, τ = 5, α = 0.5) on peers/data/tinyshakespeare.txt (as
@@ -65,9 +72,13 @@ from p2p_diloco.demo import evaluate  # noqa: E402 (utilization puts the reposit
 from p2p_diloco.metrics import read_metrics  # noqa: E402
 
 TEXT = REPO / "peers" / "data" / "tinyshakespeare.txt"
-ATTACKS = ("scale:100", "scale:3", "flip", "noise:100", "samples+flip", "alie", "garbage-reducer",
-           "equivocating-reducer")
-DEFENCES = {"on": {}, "off": {"aggregation": "mean", "max_update_growth": 0}}  # [outer] settings
+ATTACKS = ("scale:100", "scale:3", "flip", "noise:100", "samples", "samples:10", "samples+flip", "alie",
+           "garbage-reducer", "equivocating-reducer")
+HONEST = ("clean", "island")  # the cells of 0 hostile peers: all plain peers, or the first of them an island
+DEFENCES = {"on": {},  # [outer] settings
+            "old": {"claim_cap": 1.0, "norm_clip": 2.0},  # the rule before issue 44: the median cap, 2 × the median norm
+            "off": {"aggregation": "mean", "max_update_growth": 0}}
+ISLAND = sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "p2p_diloco.cli"
 HOSTILE = sys.executable, "-m", "tests.hostile_peer"
 POLL_S = 1.0
 
@@ -95,9 +106,9 @@ def parse_cell(text: str) -> Cell:
     if len(parts) != 3 or parts[0] not in DEFENCES or not parts[1].isdigit():
         raise ValueError(f"cell {text!r}: DEFENCE/HOSTILE/ATTACK, e.g. on/1/scale:100 or off/0/clean")
     defence, hostile, attack = parts[0], int(parts[1]), parts[2]
-    if (hostile == 0) != (attack == "clean"):
-        raise ValueError(f"cell {text!r}: 0 hostile peers is the clean cell, and the clean cell has 0")
-    if attack != "clean" and attack not in ATTACKS:
+    if (hostile == 0) != (attack in HONEST):
+        raise ValueError(f"cell {text!r}: 0 hostile peers is a cell of {' or '.join(HONEST)}, and those have 0")
+    if attack not in HONEST and attack not in ATTACKS:
         raise ValueError(f"cell {text!r}: unknown attack; known: {', '.join(ATTACKS)}")
     return Cell(defence, hostile, attack)
 
@@ -159,6 +170,8 @@ def run_cell(cell: Cell, args: argparse.Namespace, out: Path) -> dict:
             argv = peer_argv(config, maddr, cell_dir, name, args)
             command = [*CLI, "peer", *argv] if name in honest else \
                 [*HOSTILE, *hostile_argv(cell, cell_dir, args.peers), "--", *argv]
+            if cell.attack == "island" and name == honest[0]:
+                command = [*ISLAND, "peer", *argv]
             processes.start(command, stdout=open(cell_dir / f"{name}.log", "w"), stderr=subprocess.STDOUT, env=ENV,
                             cwd=REPO)
         deadline = started + args.timeout
@@ -252,7 +265,9 @@ def measure(cell: Cell, cell_dir: Path) -> dict:
                 final_outer_step=final_step, initial_eval_loss=initial, final_eval_loss=final,
                 seconds_per_outer_step=statistics.median(timing) if timing else None,
                 mb_per_peer=statistics.mean(traffic) / 1e6 if traffic else None,
-                global_state=agreement(steps, last), rounds_not_applied=dict(not_applied), rounds_attacked=attacked)
+                global_state=agreement(steps, last), rounds_not_applied=dict(not_applied), rounds_attacked=attacked,
+                group_samples=statistics.median(r["group_samples"] for rs in steps.values() for r in rs)
+                if any(steps.values()) else None)
 
 
 # ----- report -------------------------------------------------------------------------------------
@@ -267,18 +282,20 @@ def versus_clean(row: dict, clean: dict[str, dict]) -> str:
     return f"{100 * (row['final_eval_loss'] - reference) / reference:+.1f} %"
 
 
-def markdown_table(rows: list[dict], outer_steps: int) -> str:
-    clean = {r["defence"]: r for r in rows if r["hostile"] == 0}
-    lines = ["| defence | hostile of 5 | attack | final held-out loss | vs clean | outer steps | s per outer step | "
-             "MB per peer | honest peers' θ_global | rounds not applied (honest) | rounds attacked |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---|---|---:|"]
+def markdown_table(rows: list[dict], outer_steps: int, peers: int) -> str:
+    clean = {r["defence"]: r for r in rows if r["attack"] == "clean"}
+    lines = [f"| defence | hostile of {peers} | attack | final held-out loss | vs clean | outer steps | s per outer step | "
+             "MB per peer | honest peers' θ_global | rounds not applied (honest) | rounds attacked | "
+             "group samples | wall s |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
     for r in rows:
         steps = f"{r['final_outer_step']}/{outer_steps}" + ("" if r["run"]["reached"] else " (timed out)")
         not_applied = ", ".join(f"{n} {event}" for event, n in sorted(r["rounds_not_applied"].items())) or "0"
         lines.append(f"| {r['defence']} | {r['hostile']} | {r['attack']} | {fmt(r['final_eval_loss'], '.4f')} | "
                      f"{versus_clean(r, clean)} | {steps} | {fmt(r['seconds_per_outer_step'], '.1f')} | "
                      f"{fmt(r['mb_per_peer'], '.2f')} | {r['global_state']} | "
-                     f"{not_applied} | {r['rounds_attacked']} |")
+                     f"{not_applied} | {r['rounds_attacked']} | {fmt(r.get('group_samples'), '.0f')} | "
+                     f"{r['run']['wall_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -291,7 +308,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                                                     "on/0/clean,on/1/scale:100 (replaces the three options below)")
     parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated attacks of the matrix")
     parser.add_argument("--hostile", default="1,2", help="comma-separated counts of hostile peers")
-    parser.add_argument("--defence", default="on,off", help="on (the shipped defaults), off (exact mean, no check)")
+    parser.add_argument("--defence", default="on,off",
+                        help="on (the shipped defaults), old (the rule before issue 44), off (exact mean, no check)")
     parser.add_argument("--peers", type=int, default=5, help="peers per swarm, hostile ones included")
     parser.add_argument("--outer-steps", type=int, default=5, help="outer steps the honest peers take per cell")
     parser.add_argument("--inner-steps", type=int, default=25, help="H, inner steps per outer step")
@@ -327,7 +345,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     initial = next((r["initial_eval_loss"] for r in rows if r["initial_eval_loss"] is not None), math.nan)
     print(f"\n{args.peers} peers per swarm, H = {args.inner_steps}, {args.outer_steps} outer steps; initial held-out "
           f"loss {initial:.4f}; {time.monotonic() - began:.0f} s in all\n")
-    print(markdown_table(rows, args.outer_steps))
+    print(markdown_table(rows, args.outer_steps, args.peers))
     return 0
 
 
