@@ -17,10 +17,12 @@ Per peer it prints:
 - a round's sync (the median over steps 2..K of the sum of its sync_phases: waiting for the groupmates,
   matchmaking, a late member's Δ, the all-reduce, the reports and commit, the audit) against the link's
   limit for its bytes: what the router saw the peer send during that round, at --mbit;
-- the all-reduce's share of the link: the bytes its metrics count for the round (bytes_sent's increment)
-  at --mbit, over the all-reduce phase's seconds;
-- the router's bytes against the metrics' per peer, sent and received (TCP payload, whole run), and the
-  router's bytes per round.
+- the all-reduce's share of the link: the bytes its metrics count for the round's all-reduce
+  (``bytes_by_phase``'s, or all of bytes_sent's increment where the metrics do not break them down) at
+  --mbit, over the all-reduce phase's seconds;
+- the router's bytes against the metrics' per peer, sent and received (TCP/UDP payload, each TCP byte once:
+  retransmissions apart; whole run), and the router's bytes per round;
+and how late the router wrote packets out (its CPU share: a late router is extra delay), and its drops.
 A round's router bytes are the router's counts read every --sample seconds, taken at the records' times.
 It also writes results.json, the run config, the peers' metrics and logs, and the router's counters under
 --out. On 2 cores the 4 peers' inner steps share the CPUs: the utilization here is bounded by the CPU,
@@ -100,6 +102,12 @@ def run(args, out: Path, config: Path, sites: list[Site]) -> tuple[dict, list]:
                 exit_codes=[p.returncode for p in peers.procs], left_behind=left), samples
 
 
+def allreduce_bytes(record: dict) -> int:
+    """The bytes the peer sent in all-reduces so far: the all-reduce phase's where the metrics break them down
+    (``bytes_by_phase``), else all it counted."""
+    return record.get("bytes_by_phase", {}).get("allreduce", {}).get("sent", record["bytes_sent"])
+
+
 def per_peer(out: Path, name: str, samples: list, mbit: float) -> dict:
     """The link's numbers of one peer, from its metrics and the router's samples."""
     bytes_per_s = mbit * 1e6 / 8
@@ -107,13 +115,14 @@ def per_peer(out: Path, name: str, samples: list, mbit: float) -> dict:
     rounds = []
     for before, record in zip(steps, steps[1:]):  # steps 2..K, each against the one before
         sent = record["bytes_sent"] - before["bytes_sent"]
+        allreduce_sent = allreduce_bytes(record) - allreduce_bytes(before)
         router_sent = router_at(samples, name, record["time"])[0] - router_at(samples, name, before["time"])[0]
         phases = record.get("sync_phases") or {}
         sync = sum(phases.get(phase, 0.0) for phase in PHASES)
         allreduce = phases.get("allreduce", 0.0)
         rounds.append(dict(sync_s=sync, metrics_sent=sent, router_sent=router_sent,
                            limit_s=router_sent / bytes_per_s,
-                           allreduce_share=sent / bytes_per_s / allreduce if allreduce > 0 else None))
+                           allreduce_share=allreduce_sent / bytes_per_s / allreduce if allreduce > 0 else None))
     last = [r for r in read_metrics(out / f"{name}.jsonl") if "bytes_sent" in r]
     metrics_total = (last[-1]["bytes_sent"], last[-1]["bytes_received"]) if last else (0, 0)
     median = lambda key: statistics.median(r[key] for r in rounds if r[key] is not None) if rounds else None  # noqa: E731
@@ -182,6 +191,13 @@ def main() -> int:
           f"{agreement} ({analysis['steps_recorded']} steps recorded"
           + "".join(f", {k} ×{v}" for k, v in sorted(analysis["other_events"].items())) + ")\n")
     print(table(sites, analysis, links))
+    router = json.loads((out / "router" / "stats.json").read_text())
+    print(f"\nthe router wrote packets out {router['late_ms_mean']:.2f} ms late on average ({router['late_ms_max']:.1f} ms "
+          f"at most); packets its uplink queues dropped: "
+          + ", ".join(f"{name} {c['dropped']}" for name, c in router["hosts"].items())
+          + "; MB sent again (TCP retransmissions, not in the table): "
+          + ", ".join(f"{name} {c['sent_retransmitted'] / 1e6:.2f}" for name, c in router["hosts"].items())
+          + f"; lost: {sum(c['lost'] for c in router['hosts'].values())}; to no host: {router['unroutable']}")
     print(f"\nwrote {out / 'results.json'}; benchmark wall time {time.monotonic() - began:.0f} s")
     if outcome["left_behind"]:
         print(f"warning: processes left behind: {outcome['left_behind']}", file=sys.stderr)
