@@ -27,8 +27,9 @@ swarm gone and train on alone. From the peers' metrics files it reports, per N:
   ``round_stopped``, the final stop's, are left out);
 * the share of the swarm's inner work that counted: Σ over steps 1..T of (peers that recorded the
   step) / (N × T);
-* the mean all-reduce bytes each peer sent per outer step after step 1 (``bytes_sent``: parts sent,
-  averaged parts returned and, with ``--relay-group``, parts relayed for others);
+* the mean bytes each peer sent per outer step after step 1 (``bytes_sent``: parts sent, averaged parts
+  returned and, with ``--relay-group``, parts relayed for others; since issue 43 also the reports, the
+  audit, the records and the probes: p2p_diloco/traffic.py);
 * the mean ``blocked_seconds`` of the ``outer_step`` records after step 1: a peer's wall seconds
   between two outer steps not spent on inner steps (waiting for groupmates, matchmaking, the
   all-reduce and commit beyond what the overlapped inner steps hid, checkpointing). The metrics have
