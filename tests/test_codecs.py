@@ -440,3 +440,21 @@ def test_nearest_codes_are_bucketize_on_the_midpoints(quant_type):
         torch.nextafter(torch.tensor([-1.0, 1.0]), torch.tensor([-2.0, 2.0])), torch.tensor([-1.0 - 2**-20, 1.0 + 2**-20]),
     ])
     assert torch.equal(_nearest_codes(scaled.clone(), quant_type).long(), order[torch.bucketize(scaled, midpoints)])
+
+
+def test_e3m0_code_table_is_the_nearest_level_with_its_sign():
+    """E3M0's encode looks each ratio x/scale up by ceil(bits / 2^16) (_e3m0_code_table): against the rule it
+    stands for (the nearest level by bucketize on the midpoints, ties to the smaller magnitude, the sign bit
+    on a negative value not coded 0) on the top of every one of its intervals, each neighbour above and
+    below, every level and midpoint and theirs, both signs."""
+    from p2p_diloco.sync.codecs import _E3M0_MIDPOINTS, _e3m0_code_table
+
+    tops = (torch.arange(1, 0x3F81, dtype=torch.int32) << 16).view(torch.float32)
+    points = torch.cat([tops, _E3M0_MIDPOINTS, torch.tensor(_E3M0_LEVELS)])
+    magnitudes = torch.cat([points, torch.nextafter(points, torch.zeros_like(points)),
+                            torch.nextafter(points, torch.ones_like(points)), torch.tensor([0.0, 1e-45])]).clamp(0, 1)
+    ratios = torch.cat([magnitudes, -magnitudes])
+    level = torch.bucketize(ratios.abs(), _E3M0_MIDPOINTS)
+    expected = torch.where((ratios < 0) & (level > 0), level | 8, level)
+    index = ratios.view(torch.int32).add(2**16 - 1).bitwise_right_shift(16).add(2**15)
+    assert torch.equal(_e3m0_code_table()[index.long()].long(), expected)

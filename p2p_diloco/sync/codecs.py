@@ -64,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -221,7 +222,7 @@ def _non_finite(values: torch.Tensor) -> int:
     """How many of `values` are NaN or infinite. A finite sum proves there are none (a NaN or an infinity
     makes the sum NaN or infinite): one reduction, several times faster than an element-wise test, which
     runs only when the sum is not finite (a part with such values, or finite values whose sum overflows)."""
-    if bool(torch.isfinite(values.sum())):
+    if math.isfinite(float(values.sum())):  # (a Python float: one dispatch fewer than torch.isfinite)
         return 0
     return values.numel() - int(torch.isfinite(values).sum())
 
@@ -276,7 +277,8 @@ class TwoByteFloatCodec(Codec):
 
     def _encode(self, part: torch.Tensor) -> bytes:
         largest = torch.finfo(self.dtype).max
-        too_large = int((part.abs() > largest).sum())
+        low, high = torch.aminmax(part)  # one pass, and no temporary of the part's size
+        too_large = int((part.abs() > largest).sum()) if max(float(high), -float(low)) > largest else 0
         if too_large:
             raise ValueError(f"codec {self.name!r}: {too_large} values exceed {self.dtype}'s largest finite value "
                              f"{largest:.6g} (max |x| = {float(part.abs().max()):.3g}); a pseudo-gradient that large "
@@ -290,25 +292,46 @@ class TwoByteFloatCodec(Codec):
 
 def _blocks(values: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The full blocks of `values` as a [blocks, blocksize] view, and the shorter last block (maybe empty)."""
-    full = values.numel() // blocksize * blocksize
-    return values[:full].view(-1, blocksize), values[full:]
+    numel = values.numel()
+    if numel % blocksize == 0:  # every pass but a part's last: two dispatches, not four
+        return values.view(-1, blocksize), values.narrow(0, numel, 0)
+    full = numel // blocksize * blocksize
+    return values.narrow(0, 0, full).view(-1, blocksize), values.narrow(0, full, numel - full)
 
 
-def _block_absmax(part: torch.Tensor, blocksize: int, magnitude: torch.Tensor | None = None) -> torch.Tensor:
-    """The largest |x| of each block of `blocksize` values (the last block may be shorter): float32.
-    `magnitude` is ``part.abs()`` where the caller has it."""
+def _block_absmax(part: torch.Tensor, blocksize: int, magnitude: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The largest |x| of each block of `blocksize` values (the last block may be shorter): float32, in `out`
+    where given. `magnitude` is ``part.abs()`` where the caller has it."""
     full, tail = _blocks(part.abs() if magnitude is None else magnitude, blocksize)
-    absmax = full.amax(dim=1)
-    return torch.cat([absmax, tail.amax().view(1)]) if tail.numel() else absmax
-
-
-def _scale_blocks_(values: torch.Tensor, scales: torch.Tensor, blocksize: int) -> torch.Tensor:
-    """``values[i] *= scales[i // blocksize]`` in place, each block's scale broadcast over it (never copied
-    per value): one float32 multiply per value."""
-    full, tail = _blocks(values, blocksize)
-    full.mul_(scales[: full.shape[0], None])
+    if out is None:
+        out = torch.empty(full.shape[0] + (tail.numel() > 0), dtype=torch.float32, device=part.device)
+    torch.amax(full, dim=1, out=out[: full.shape[0]])
     if tail.numel():
-        tail.mul_(scales[-1])
+        torch.amax(tail, dim=0, keepdim=True, out=out[full.shape[0]:])
+    return out
+
+
+# values a CPU codes in one pass of a block codec: each pass's temporaries (a few of 512 KB) stay in the core's
+# caches, where a temporary of a whole part (16 MB for 4M values) goes to memory and first costs its pages
+_PASS_VALUES = 2**17
+
+
+def _passes(numel: int, blocksize: int, device: torch.device) -> list[tuple[int, int]]:
+    """The spans [start, stop) in which a block codec codes a part of `numel` values on `device`: on a CPU, runs
+    of about :data:`_PASS_VALUES` values on the block grid, so that each codes its values as the whole part
+    does; on a GPU, the whole part at once."""
+    step = numel if device.type != "cpu" else max(_PASS_VALUES // blocksize, 1) * blocksize
+    return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+
+
+def _scale_blocks_(values: torch.Tensor, scales: torch.Tensor, blocksize: int, first_block: int = 0) -> torch.Tensor:
+    """``values[i] *= scales[first_block + i // blocksize]`` in place, each block's scale broadcast over it (never
+    copied per value): one float32 multiply per value."""
+    full, tail = _blocks(values, blocksize)
+    full.mul_(scales[first_block:first_block + full.shape[0], None])
+    if tail.numel():
+        tail.mul_(scales[first_block + full.shape[0]])
     return values
 
 
@@ -327,35 +350,60 @@ def _scales_from_bytes(codec: str, data: bytes, device: torch.device) -> torch.T
     return scales.to(device)
 
 
-def _scaled_lookup(table: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocksize: int) -> torch.Tensor:
+def _scaled_lookup(table: torch.Tensor, data: bytes, numel: int, scales: torch.Tensor, blocksize: int,
+                   device: torch.device, per_byte: int = 1) -> torch.Tensor:
     """The decode of every block codec: ``table[code]·scale`` of the value's block, one float32 multiply
     per value. A product of two float32 values is rounded once, to nearest, on every CPU (IEEE 754), so
     the decoded part is the same bits on every peer, whatever kernels its CPU has (bitsandbytes' own
     C decoders give the same bits on x86, but for the sign of FP4's zero code; the tests compare them).
-    The lookup is an index_select with int32 codes: several times faster on a CPU than indexing with int64."""
-    return _scale_blocks_(torch.index_select(table, 0, codes.int()), scales, blocksize)
+
+    The codes are the first bytes of `data`, `per_byte` to a byte: one (`table` holds a float32 per code),
+    or two, the first in the high nibble (`table` holds a value pair per byte, :func:`_nibble_pairs`; an
+    odd `numel`'s pad code is dropped). A byte is looked up by an index_select with int32 codes (several
+    times faster on a CPU than indexing with int64), pass by pass (:func:`_passes`) into the decoded part."""
+    decoded = torch.empty(-(-numel // per_byte) * per_byte, dtype=torch.float32, device=device)
+    looked_up = decoded.view(table.dtype)  # a value pair is looked up as one int64: moved bit for bit
+    codes = np.frombuffer(data, dtype=np.uint8, count=looked_up.numel())
+    spans = _passes(looked_up.numel(), max(blocksize // per_byte, 1), device)
+    index = torch.empty(spans[0][1], dtype=torch.int32)
+    for start, stop in spans:
+        length = stop - start
+        index_pass = index.narrow(0, 0, length)
+        np.copyto(index_pass.numpy(), codes[start:stop], casting="safe")
+        torch.index_select(table, 0, index_pass.to(device), out=looked_up.narrow(0, start, length))
+        _scale_blocks_(decoded.narrow(0, start * per_byte, length * per_byte), scales, blocksize,
+                       start * per_byte // blocksize)
+    return decoded if decoded.numel() == numel else decoded[:numel].clone()
 
 
-def _pack_nibbles(codes: torch.Tensor) -> bytes:
-    """4-bit `codes` (an integer tensor) two per byte, the first in the high nibble; an odd count pads with
-    code 0. The pairs are read as 16-bit words w = first + 256·second (little-endian, as on every platform
-    torch ships for), so that one shift each way gives the byte: ``(w << 4 | w >> 8) & 0xFF``, the mask
-    being the cast to uint8 (a strided multiply-add per pair was 4× slower)."""
-    codes = codes.to(torch.uint8)
-    if codes.numel() % 2:
-        codes = torch.nn.functional.pad(codes, (0, 1))
-    words = codes.view(torch.int16)
-    return _host_bytes((words << 4).bitwise_or_(words >> 8).to(torch.uint8))
+def _nibble_pairs(kind: str) -> torch.Tensor:
+    """For each byte b of two 4-bit codes, the values of its codes (b >> 4, b & 15) in the decode table of
+    `kind` (e3m0, nf4, fp4), their 8 bytes read as one int64, on the CPU: what :func:`_scaled_lookup` looks
+    up (and :func:`_on_device` copies)."""
+    table = _e3m0_values() if kind == "e3m0" else _bnb_4bit_decode_table(kind)
+    pairs = torch.stack([table.repeat_interleave(16), table.repeat(16)], dim=1).contiguous()
+    return pairs.view(torch.int64).view(-1)
 
 
-def _decode_nibbles(codec: str, table: torch.Tensor, data: bytes, numel: int, blocksize: int,
+def _pack_nibbles(codes: torch.Tensor, numel: int, out: torch.Tensor) -> torch.Tensor:
+    """The first `numel` 4-bit `codes` (uint8, with room for one more) two per byte into `out` (uint8), the
+    first in the high nibble; an odd count pads with code 0. The pairs are read as 16-bit words
+    w = first + 256·second (little-endian, as on every platform torch ships for), so that one shift each way
+    gives the byte: ``(w << 4 | w >> 8) & 0xFF``, the mask being the cast to uint8 (a strided multiply-add
+    per pair was 4× slower)."""
+    if numel % 2:
+        codes.narrow(0, numel, 1).zero_()
+    words = codes.narrow(0, 0, numel + numel % 2).view(torch.int16)
+    return out.copy_((words << 4).bitwise_or_(words >> 8))
+
+
+def _decode_nibbles(codec: str, kind: str, data: bytes, numel: int, blocksize: int,
                     device: torch.device) -> torch.Tensor:
-    """A 4-bit part: `numel` codes two per byte, the first in the high nibble (an odd numel's pad code
-    dropped), then the block scales; decoded on `device`, where `table` is."""
+    """A 4-bit part: `numel` codes of `kind` (e3m0, nf4, fp4) two per byte, the first in the high nibble (an odd
+    numel's pad code dropped), then the block scales; decoded on `device`."""
     packed_bytes = -(-numel // 2)
-    packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=packed_bytes).copy()).to(device)
-    codes = torch.stack([packed >> 4, packed & 0xF], dim=1).view(-1)[:numel]
-    return _scaled_lookup(table, codes, _scales_from_bytes(codec, data[packed_bytes:], device), blocksize)
+    scales = _scales_from_bytes(codec, data[packed_bytes:], device)
+    return _scaled_lookup(_on_device(device, _nibble_pairs, kind), data, numel, scales, blocksize, device, per_byte=2)
 
 
 def _absmax_bound(part: torch.Tensor, blocksize: int, fraction_of_absmax: float) -> torch.Tensor:
@@ -442,13 +490,11 @@ class BlockwiseInt8Codec(Codec):
         return _absmax_bound(self._checked_part(part), self.blocksize, self.fraction_of_absmax)
 
     def _encode(self, part: torch.Tensor) -> bytes:
-        scaled, absmax = _scaled_blocks(part, self.blocksize)
-        return _host_bytes(_nearest_codes(scaled, "dynamic"), absmax)
+        return _host_bytes(*_blockwise_codes(part, self.blocksize, "dynamic"))
 
     def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
-        codes = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=numel).copy()).to(device)
         absmax = _scales_from_bytes(self.name, data[numel:], device)
-        return _scaled_lookup(_on_device(device, _bnb_map, "dynamic"), codes, absmax, self.blocksize)
+        return _scaled_lookup(_on_device(device, _bnb_map, "dynamic"), data, numel, absmax, self.blocksize, device)
 
 
 _PREFIX_BITS = 16  # a float32 is looked up by its 16 high bits: sign, exponent and 7 bits of mantissa
@@ -459,7 +505,7 @@ def _prefix_tables(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """What :func:`_nearest_codes` looks up, for each 16-bit prefix p of a float32 in [−1, 1] (offset by
     2^15 to count from 0): the one midpoint between two values of bitsandbytes' map `kind` (dynamic, nf4,
     fp4) that falls inside the prefix's interval (+inf if none), and the codes (uint8) of the map values
-    nearest below and above it, at 2p and 2p + 1. A prefix beyond ±1 down to ±(1 + 2^-7) codes as ±1:
+    nearest below and above it, at p and 2^16 + p. A prefix beyond ±1 down to ±(1 + 2^-7) codes as ±1:
     a value scaled by its block's reciprocal absolute maximum exceeds 1 by a rounding at most.
 
     Every interval of floats that share a prefix is narrower (2^-7 of its magnitude) than the gaps
@@ -477,34 +523,62 @@ def _prefix_tables(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     assert int((rank_high - rank_low).max()) <= 1, f"two {kind} midpoints under one float32 prefix"
     crossing = rank_high > rank_low
     inside = torch.where(crossing, midpoints[rank_low.clamp(max=len(midpoints) - 1)], torch.tensor(float("inf")))
-    below_and_above = torch.stack([order[rank_low], order[rank_high]], dim=1).view(-1).to(torch.uint8)
+    below_and_above = torch.cat([order[rank_low], order[rank_high]]).to(torch.uint8)
     return below_and_above, inside
 
 
-def _nearest_codes(scaled: torch.Tensor, kind: str) -> torch.Tensor:
+def _nearest_codes(scaled: torch.Tensor, kind: str, out: torch.Tensor | None = None,
+                   index: torch.Tensor | None = None, midpoint: torch.Tensor | None = None) -> torch.Tensor:
     """The code (uint8) of the nearest value of bitsandbytes' map `kind` to each `scaled` value in [−1, 1],
     ties to the lower value: exactly ``order[torch.bucketize(scaled, midpoints)]`` (the tests compare
     them), from two table lookups by the value's 16 high bits p: the midpoint in p's interval, and the
-    code at 2p + (1 if the value is above that midpoint), where "above" is the sign bit of
+    code at p + (2^16 if the value is above that midpoint), where "above" is the sign bit of
     midpoint − value (+0 when equal), an integer shift (a CPU compares floats into booleans several
-    times slower). `scaled` is left as it was."""
+    times slower). `scaled` is left as it was; `out`, `index` (int32) and `midpoint` (float32), like
+    `scaled`, are where the codes and the temporaries go, where given."""
     below_and_above, midpoints = _on_device(scaled.device, _prefix_tables, kind)
-    prefix = scaled.view(torch.int32).bitwise_right_shift(32 - _PREFIX_BITS).add_(2 ** (_PREFIX_BITS - 1))
-    minus_above = torch.index_select(midpoints, 0, prefix).sub_(scaled).view(torch.int32).bitwise_right_shift_(31)
-    return torch.index_select(below_and_above, 0, prefix.bitwise_left_shift_(1).sub_(minus_above))
+    prefix = torch.bitwise_right_shift(scaled.view(torch.int32), 32 - _PREFIX_BITS, out=index)
+    prefix.add_(2 ** (_PREFIX_BITS - 1))
+    minus_above = torch.index_select(midpoints, 0, prefix, out=midpoint).sub_(scaled).view(torch.int32)
+    return torch.index_select(below_and_above, 0, prefix.sub_(minus_above.bitwise_right_shift_(31), alpha=2**_PREFIX_BITS),
+                              out=out)
 
 
-def _scaled_blocks(part: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _scaled_blocks(values: torch.Tensor, blocksize: int, absmax: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Each value times the reciprocal of its block's absolute maximum (at least 1e-38), as bitsandbytes
     scales a block before it quantizes it, within [−1, 1] but for a rounding (no clamp: the tables of
-    :func:`_nearest_codes` code ±(1 + 2^-23) as ±1); and the blocks' absolute maxima."""
-    absmax = _block_absmax(part, blocksize)
+    :func:`_nearest_codes` code ±(1 + 2^-23) as ±1), into `out`; the blocks' absolute maxima into `absmax`."""
+    _block_absmax(values, blocksize, torch.abs(values, out=out), out=absmax)
     reciprocal = 1.0 / absmax.clamp(min=1e-38)
-    scaled = torch.empty_like(part)
-    for values, out, factor in zip(_blocks(part, blocksize), _blocks(scaled, blocksize),
-                                   (reciprocal[: part.numel() // blocksize, None], reciprocal[-1])):
-        torch.mul(values, factor, out=out)
-    return scaled, absmax
+    (full, tail), (full_out, tail_out) = _blocks(values, blocksize), _blocks(out, blocksize)
+    torch.mul(full, reciprocal[: full.shape[0], None], out=full_out)
+    if tail.numel():
+        torch.mul(tail, reciprocal[-1], out=tail_out)
+    return out
+
+
+def _blockwise_codes(part: torch.Tensor, blocksize: int, kind: str, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The code (uint8) of each value of `part` in bitsandbytes' map `kind`, two to a byte if `packed`
+    (:func:`_pack_nibbles`), and the absolute maximum of each block: :func:`_scaled_blocks` and
+    :func:`_nearest_codes`, pass by pass (:func:`_passes`)."""
+    numel, device = part.numel(), part.device
+    spans = _passes(numel, blocksize, device)
+    codes = torch.empty(-(-numel // 2) if packed else numel, dtype=torch.uint8, device=device)
+    absmax = torch.empty(-(-numel // blocksize), dtype=torch.float32, device=device)
+    width = spans[0][1]
+    scaled, midpoint = torch.empty(2, width, dtype=torch.float32, device=device)
+    index = torch.empty(width, dtype=torch.int32, device=device)
+    unpacked = torch.empty(width + 1, dtype=torch.uint8, device=device) if packed else None
+    for start, stop in spans:  # (narrow: a third of the dispatch time of a slice)
+        length = stop - start
+        scaled_pass = scaled.narrow(0, 0, length)
+        _scaled_blocks(part.narrow(0, start, length), blocksize,
+                       absmax.narrow(0, start // blocksize, -(-length // blocksize)), scaled_pass)
+        into = unpacked.narrow(0, 0, length) if packed else codes.narrow(0, start, length)
+        _nearest_codes(scaled_pass, kind, into, index.narrow(0, 0, length), midpoint.narrow(0, 0, length))
+        if packed:
+            _pack_nibbles(unpacked, length, codes.narrow(0, start // 2, -(-length // 2)))
+    return codes, absmax
 
 
 @dataclass(frozen=True)
@@ -545,12 +619,10 @@ class Bnb4BitCodec(Codec):
         return _absmax_bound(self._checked_part(part), self.blocksize, self.fraction_of_absmax)
 
     def _encode(self, part: torch.Tensor) -> bytes:
-        scaled, absmax = _scaled_blocks(part, self.blocksize)
-        return _pack_nibbles(_nearest_codes(scaled, self.quant_type)) + _host_bytes(absmax)
+        return _host_bytes(*_blockwise_codes(part, self.blocksize, self.quant_type, packed=True))
 
     def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
-        table = _on_device(device, _bnb_4bit_decode_table, self.quant_type)
-        return _decode_nibbles(self.name, table, data, numel, self.blocksize, device)
+        return _decode_nibbles(self.name, self.quant_type, data, numel, self.blocksize, device)
 
 
 # E3M0 magnitudes of codes 0..7, and the midpoints between neighbours (rounding to nearest value)
@@ -582,6 +654,24 @@ def _e3m0_exponent_codes(ratio: torch.Tensor) -> torch.Tensor:
     above_half_level = (bits - (_BITS_OF_2_POW_MINUS_7 + 1)).bitwise_right_shift_(31).add_(1)  # 1 iff b > bits(2^-7)
     codes = bits.add_(2**22 - 1).bitwise_right_shift_(23).sub_(120).clamp_(min=0)
     return torch.maximum(codes, above_half_level)
+
+
+@functools.cache
+def _e3m0_code_table() -> torch.Tensor:
+    """The E3M0 code (uint8, sign included) of every signed ratio x/scale ∈ [−1, 1], by ``c = ceil(b / 2^16)``
+    of its float32 bits b read as an int32 (offset by 2^15 to count from 0), on the CPU.
+
+    A negative float's bits are its magnitude's minus 2^31, and 2^31 is a multiple of 2^16, so c of a value
+    is c of its magnitude, offset by −2^15 when it is negative. All the magnitudes with one c, an interval
+    ``((c − 1)·2^16, c·2^16]`` of bits, have one code: every midpoint between two E3M0 levels (2^-7, and
+    3·2^k, whose mantissa field is 2^22) has bits that are a multiple of 2^16, so it is the top of its
+    interval, which codes it to the lower magnitude, as the ties go; so the code of an interval is
+    :func:`_e3m0_exponent_codes` of its top (the tests compare every level and midpoint, and their float32
+    neighbours). A negative value whose magnitude does not code to 0 gets the sign bit (8)."""
+    tops = (torch.arange(2**15, dtype=torch.int32) << 16).clamp_(max=0x3F800000)  # magnitudes up to 1
+    magnitude_codes = _e3m0_exponent_codes(tops.view(torch.float32).clone()).to(torch.uint8)
+    negative_codes = torch.where(magnitude_codes > 0, magnitude_codes | 8, magnitude_codes)
+    return torch.cat([negative_codes, magnitude_codes])
 
 
 @dataclass(frozen=True)
@@ -621,22 +711,35 @@ class E3M0Codec(Codec):
         return torch.maximum(part.abs() / 3, scale / 128) * (1 + 2.0**-20) + FLOAT32_MIN_SUBNORMAL
 
     def _encode(self, part: torch.Tensor) -> bytes:
-        magnitude = part.abs()
-        scales = _block_absmax(part, self.blocksize, magnitude)
-        # |x| / scale, in place; a block of zeros (scale 0) is divided by 1: its ratios are 0
-        full, tail = _blocks(magnitude, self.blocksize)
+        numel, device, blocksize = part.numel(), part.device, self.blocksize
+        spans = _passes(numel, blocksize, device)  # each pass's temporaries stay in the CPU's caches
+        packed = torch.empty(-(-numel // 2), dtype=torch.uint8, device=device)
+        scales = torch.empty(-(-numel // blocksize), dtype=torch.float32, device=device)
+        width = spans[0][1]
+        ratio, codes = torch.empty(width, device=device), torch.empty(width + 1, dtype=torch.uint8, device=device)
+        for start, stop in spans:  # (narrow: a third of the dispatch time of a slice)
+            length = stop - start
+            self._codes(part.narrow(0, start, length), scales.narrow(0, start // blocksize, -(-length // blocksize)),
+                        ratio.narrow(0, 0, length), codes.narrow(0, 0, length))
+            _pack_nibbles(codes, length, packed.narrow(0, start // 2, -(-length // 2)))
+        return _host_bytes(packed, scales)
+
+    def _codes(self, values: torch.Tensor, scales: torch.Tensor, ratio: torch.Tensor, out: torch.Tensor) -> None:
+        """The code of each of `values` into `out` (uint8), its blocks' scales into `scales`; `ratio` (float32,
+        like `values`) takes x / scale: one table lookup of ``ceil(bits / 2^16)`` (:func:`_e3m0_code_table`)."""
+        _block_absmax(values, self.blocksize, torch.abs(values, out=ratio), out=scales)
+        # x / scale; a block of zeros (scale 0) is divided by 1: its ratios are 0 (|x / s| is |x| / s, bit for bit)
         divisors = torch.where(scales > 0, scales, 1.0)
-        full.div_(divisors[: full.shape[0], None])
+        (full, tail), (full_ratio, tail_ratio) = _blocks(values, self.blocksize), _blocks(ratio, self.blocksize)
+        torch.div(full, divisors[: full.shape[0], None], out=full_ratio)
         if tail.numel():
-            tail.div_(divisors[-1])
-        codes = _e3m0_exponent_codes(magnitude)  # 0..7, ties to the lower level
-        # the sign bit (8) of the negative values that are not coded 0: x's float32 sign bit, shifted to 8
-        sign = part.view(torch.int32).bitwise_right_shift(28).bitwise_and_(8)
-        codes.bitwise_or_(sign.mul_(codes.clamp(max=1)))
-        return _pack_nibbles(codes) + _host_bytes(scales)
+            torch.div(tail, divisors[-1], out=tail_ratio)
+        bits = ratio.view(torch.int32)  # ceil(b / 2^16) + 2^15: b + 2^16 − 1 never overflows, as |x / s| ≤ 1
+        index = bits.add_(2**16 - 1).bitwise_right_shift_(16).add_(2**15)
+        torch.index_select(_on_device(values.device, _e3m0_code_table), 0, index, out=out)
 
     def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
-        return _decode_nibbles(self.name, _on_device(device, _e3m0_values), data, numel, self.blocksize, device)
+        return _decode_nibbles(self.name, "e3m0", data, numel, self.blocksize, device)
 
 
 # the multipliers of the mask's integer hash (odd, below 2^31 after the first, so that every product of a
