@@ -215,7 +215,7 @@ def _on_device(device: torch.device, make: Callable, *args) -> Any:
 def _host_bytes(*tensors: torch.Tensor) -> bytes:
     """The bytes of `tensors`, each copied to the host first (where it is on a GPU), one after another, in
     the host's byte order: little-endian, the wire format's, on every platform torch ships for."""
-    return b"".join(t.cpu().numpy().tobytes() for t in tensors)
+    return b"".join((t if t.is_cpu else t.cpu()).numpy().tobytes() for t in tensors)
 
 
 def _non_finite(values: torch.Tensor) -> int:
@@ -306,9 +306,10 @@ def _block_absmax(part: torch.Tensor, blocksize: int, magnitude: torch.Tensor | 
     full, tail = _blocks(part.abs() if magnitude is None else magnitude, blocksize)
     if out is None:
         out = torch.empty(full.shape[0] + (tail.numel() > 0), dtype=torch.float32, device=part.device)
-    torch.amax(full, dim=1, out=out[: full.shape[0]])
-    if tail.numel():
-        torch.amax(tail, dim=0, keepdim=True, out=out[full.shape[0]:])
+    if not tail.numel():  # (a part on the block grid: no slicing, a dispatch of its own)
+        return torch.amax(full, dim=1, out=out)
+    torch.amax(full, dim=1, out=out.narrow(0, 0, full.shape[0]))
+    torch.amax(tail, dim=0, keepdim=True, out=out.narrow(0, full.shape[0], 1))
     return out
 
 
@@ -551,9 +552,11 @@ def _scaled_blocks(values: torch.Tensor, blocksize: int, absmax: torch.Tensor, o
     _block_absmax(values, blocksize, torch.abs(values, out=out), out=absmax)
     reciprocal = 1.0 / absmax.clamp(min=1e-38)
     (full, tail), (full_out, tail_out) = _blocks(values, blocksize), _blocks(out, blocksize)
+    if not tail.numel():
+        torch.mul(full, reciprocal.unsqueeze(1), out=full_out)
+        return out
     torch.mul(full, reciprocal[: full.shape[0], None], out=full_out)
-    if tail.numel():
-        torch.mul(tail, reciprocal[-1], out=tail_out)
+    torch.mul(tail, reciprocal[-1], out=tail_out)
     return out
 
 
