@@ -1,6 +1,6 @@
 """Codecs and Streaming DiLoCo at equal tokens: held-out loss and bytes on the wire for each way of syncing.
 
-    python benchmarks/codec_quality.py                        # 5 codecs, about 3 minutes each on 2 cores
+    python benchmarks/codec_quality.py                        # 7 codecs, about 3 minutes each on 2 cores
     python benchmarks/codec_quality.py --codecs none,nf4 --outer-steps 14 --inner-steps 50 --peers 4
     python benchmarks/codec_quality.py --codecs none \
         --variants "codec=fp4-e3m0 error_feedback=true; codec=fp4-e3m0 fragments=2 sync_delay=1 merge_alpha=0.5"
@@ -37,7 +37,7 @@ from quality import (
     add_run_arguments, benchmark_config, checked_run_arguments, count_trainable_params, percent_gap, run_diloco,
 )
 
-DEFAULT_CODECS = ("none", "fp16", "int8", "nf4", "fp4-e3m0")
+DEFAULT_CODECS = ("none", "fp16", "int8", "nf4", "fp4-e3m0", "mask8-e3m0", "mask16-e3m0")
 
 
 def parse_args() -> argparse.Namespace:

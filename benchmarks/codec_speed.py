@@ -2,6 +2,7 @@
 
     python benchmarks/codec_speed.py                       # every codec, 4M values (16 MB), ~1 minute
     python benchmarks/codec_speed.py --codecs fp4-e3m0,nf4 --numel 1048576 --threads 1
+    python benchmarks/codec_speed.py --threads 1 --clock cpu   # per core, on a machine others load too
     python benchmarks/codec_speed.py --devices cpu,cuda    # and on the GPU (CUDA), where the machine has one
 
 The part is a pseudo-gradient-like tensor (normal, scale 1e-3, seeded). Each codec encodes it and
@@ -9,6 +10,11 @@ decodes the bytes, whole and cut into parts of ``--part`` values on the codec's 
 all-reduce sends them); the time is the median of ``--repeats`` runs after one warm-up, and GB/s is
 the float32 bytes of the input over that time (16 MB for 4M values), so that every codec is on one
 scale. A memory copy of the same tensor is the reference line. Prints a Markdown table.
+
+``--clock cpu`` times each run by the CPU time of the calling thread (``time.thread_time``) instead of the
+wall clock: with ``--threads 1`` torch codes in that thread alone, so this is the time one core spends,
+whatever else the machine runs meanwhile (the wall clock of a shared machine counts the other processes'
+turns too). It refuses more than one thread, and a GPU, whose work the host thread does not count.
 
 On a GPU (``--devices cuda``) two rows per codec: **on the GPU**, the part already there and the decoded
 part left there (encode's bytes still come back to the host, and decode's bytes go from it: the codec's
@@ -33,6 +39,10 @@ sys.path.insert(0, str(REPO))
 from p2p_diloco.sync.codecs import CODECS  # noqa: E402
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = CLOCKS["wall"]  # set by main from --clock
+
+
 def median_s(fn, repeats: int, device: torch.device = torch.device("cpu")) -> float:
     """The median time of `fn` over `repeats` calls after one warm-up (the first call loads bitsandbytes and
     builds the tables); on a GPU each time ends when the device has finished."""
@@ -41,10 +51,10 @@ def median_s(fn, repeats: int, device: torch.device = torch.device("cpu")) -> fl
     times = []
     for _ in range(repeats):
         synchronize()
-        start = time.perf_counter()
+        start = clock()
         fn()
         synchronize()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -84,13 +94,19 @@ def main() -> int:
     parser.add_argument("--threads", default="1,2", help="torch intra-op threads, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--devices", default="cpu", help="cpu, cuda (or cuda:N), comma-separated")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: elapsed time; cpu: the calling thread's CPU time (one thread, CPU only)")
     args = parser.parse_args()
     devices = [torch.device(d) for d in args.devices.split(",")]
+    if args.clock == "cpu" and (args.threads != "1" or any(d.type != "cpu" for d in devices)):
+        parser.error("--clock cpu times the calling thread: it needs --threads 1 and --devices cpu")
+    global clock
+    clock = CLOCKS[args.clock]
     if any(d.type == "cuda" for d in devices) and not torch.cuda.is_available():
         parser.error("--devices names a CUDA device, but CUDA is not available on this machine")
     tensor = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)) * 1e-3
     print(f"{args.numel:,} values ({args.numel * 4 / 1e6:.1f} MB of float32), parts of {args.part:,} values; "
-          f"GB/s of float32 input, median of {args.repeats}"
+          f"GB/s of float32 input, median of {args.repeats}, {args.clock} clock"
           + "".join(f"; {d}: {torch.cuda.get_device_name(d)}" for d in devices if d.type == "cuda") + "\n")
     print("| threads | where | codec | encode whole | encode parts | decode whole | decode parts |\n"
           "|---|---|---|---|---|---|---|")
