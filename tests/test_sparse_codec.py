@@ -120,6 +120,20 @@ def test_robust_rules_over_decoded_parts_clip_a_hostile_part_and_keep_the_mask(r
     assert bool(((again - result).abs() <= codec.error_bound(result)).all()) and not bool(again[~sent].any())
 
 
+@pytest.mark.parametrize("codec_name", MASK_CODECS)
+def test_a_spot_checks_chunk_is_a_slice_of_the_parts_bytes(codec_name):
+    """The mask repeats every 16,384 values, the spot check's chunk: an auditor fetches a sample of chunks,
+    each the encoding of its values alone, not whole parts (p2p_diloco.sync.spot_check)."""
+    from p2p_diloco.sync import spot_check
+
+    codec = get_codec(codec_name).for_round(b"audited round")
+    assert spot_check.CHUNK_VALUES % codec.period == 0 and spot_check.sliceable(codec)
+    part = _normal(3 * spot_check.CHUNK_VALUES + 1000, 40)
+    data = codec.encode(part)
+    for start, stop in spot_check.chunk_spans(codec, part.numel()):
+        assert spot_check.chunk_bytes(codec, data, part.numel(), start, stop) == codec.encode(part[start:stop])
+
+
 def reducer_round() -> dict[str, str]:
     """sha256 of each sender's bytes and of the reducer's averaged bytes and their decode, for each mask
     codec and rule, on fixed parts of many magnitudes (one ×100, one sign-flipped: the clips act)."""
