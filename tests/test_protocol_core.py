@@ -8,8 +8,9 @@ from p2p_diloco.protocol.ledger import ASIDE_S, TrustLedger, merge_seen
 from p2p_diloco.protocol.phases import TRANSITIONS, IllegalTransition, Phase, check_transition
 from p2p_diloco.protocol.plans import plan_averaging
 from p2p_diloco.protocol.view import (
-    DIRECT, KEEPING, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, averaging_peers, busy_toward,
-    committing_toward, keepers, own_vouchers, ready_at, round_closing, went_on_without,
+    COMMITTING, DIRECT, KEEPING, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, averaging_peers,
+    busy_toward, committing_toward, keepers, on_its_way_to, own_vouchers, ready_at, round_closing,
+    went_on_without,
 )
 from p2p_diloco.swarm.records import ProgressValue
 
@@ -21,10 +22,12 @@ def rec(peer, step, phase=TRAINING, sha=A, at=0.0):
 
 
 def test_a_round_moves_through_its_phases_and_nothing_else():
-    phases = [None, TRAINING, READY, TRAINING, READY, LOADING, TRAINING, "left"]
+    phases = [None, TRAINING, READY, COMMITTING, TRAINING, READY, TRAINING, READY, LOADING, TRAINING, READY,
+              COMMITTING, LOADING, TRAINING, "left"]
     for old, new in zip(phases, phases[1:]):
         check_transition(old, new)
-    for old, new in [(None, READY), (READY, READY), (LOADING, READY), (KEEPING, TRAINING), ("left", TRAINING)]:
+    for old, new in [(None, READY), (READY, READY), (LOADING, READY), (KEEPING, TRAINING), ("left", TRAINING),
+                     (TRAINING, COMMITTING), (COMMITTING, READY), (LOADING, COMMITTING)]:
         with pytest.raises(IllegalTransition, match="cannot move"):
             check_transition(old, new)
 
@@ -34,15 +37,19 @@ def test_the_records_schema_allows_exactly_the_phases():
     assert allowed == {p.value for p in Phase} and set(TRANSITIONS) - {None} == set(Phase)
 
 
-def test_a_peer_ready_at_the_step_before_is_on_its_way_and_busy():
-    assert committing_toward(rec("x", 3, READY), 4) and not committing_toward(rec("x", 3, TRAINING), 4)
+def test_a_peer_ready_or_committing_at_the_step_before_is_on_its_way_and_busy():
+    # the commit window is a phase of its own: READY at 3 is a round in flight, COMMITTING at 3 one agreed
+    assert committing_toward(rec("x", 3, COMMITTING), 4) and not committing_toward(rec("x", 3, READY), 4)
+    assert on_its_way_to(rec("x", 3, READY), 4) and on_its_way_to(rec("x", 3, COMMITTING), 4)
+    assert not on_its_way_to(rec("x", 3, TRAINING), 4) and not on_its_way_to(rec("x", 2, COMMITTING), 4)
     records = {"me": rec("me", 4, READY), "x": rec("x", 3, READY), "y": rec("y", 4, LOADING),
-               "z": rec("z", 4, TRAINING), "k": rec("k", 4, KEEPING), "w": rec("w", 5, TRAINING)}
-    assert busy_toward(records, 4, "me") == {"x": READY, "y": LOADING, "z": TRAINING}
+               "z": rec("z", 4, TRAINING), "k": rec("k", 4, KEEPING), "w": rec("w", 5, TRAINING),
+               "c": rec("c", 3, COMMITTING)}
+    assert busy_toward(records, 4, "me") == {"x": READY, "y": LOADING, "z": TRAINING, "c": COMMITTING}
     other_state = {**records, "z": rec("z", 4, TRAINING, sha=B)}  # it cannot be in this peer's round
-    assert busy_toward(other_state, 4, "me", A) == {"x": READY, "y": LOADING}
-    assert {r.peer_id for r in averaging_peers(records, "me")} == {"x", "y", "z", "w"}  # a keeper never averages
-    assert own_vouchers(records, "me", 4, A) == {"me", "x", "z", "k"}  # loading vouches for nothing
+    assert busy_toward(other_state, 4, "me", A) == {"x": READY, "y": LOADING, "c": COMMITTING}
+    assert {r.peer_id for r in averaging_peers(records, "me")} == {"x", "y", "z", "w", "c"}  # a keeper never averages
+    assert own_vouchers(records, "me", 4, A) == {"me", "x", "z", "k", "c"}  # loading vouches for nothing
     assert [r.peer_id for r in keepers(records, "me")] == ["k"] and not averages(records["k"])
     assert set(ready_at(records, 4)) == {"me"} and set(ready_at(records, 3, B)) == set()
 
@@ -54,6 +61,11 @@ def test_the_fastest_peer_closes_the_round_and_a_group_that_went_on_is_seen():
     gone_on = {"me": rec("me", 4, READY), "x": rec("x", 5)}
     assert went_on_without(gone_on, 4, "me")
     assert not went_on_without({**gone_on, "y": rec("y", 4, READY)}, 4, "me")  # a liar ahead changes nothing
+    # a peer committing at the step closed the round, and is not there to average with once others went on
+    assert round_closing({"me": rec("me", 4), "x": rec("x", 4, COMMITTING)}, 4, "me")
+    committed = {"me": rec("me", 4, READY), "x": rec("x", 4, COMMITTING), "w": rec("w", 5)}
+    assert went_on_without(committed, 4, "me") and not went_on_without({**committed, "x": rec("x", 4, READY)}, 4, "me")
+    assert set(ready_at(committed, 4)) == {"me", "x"}  # planned in: a late peer forms no second group beside it
 
 
 def test_a_record_seen_once_stands_until_it_expires_or_is_replaced():

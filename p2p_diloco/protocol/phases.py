@@ -8,10 +8,13 @@ that a record's phase is one the protocol allows after the last.
 
 ::
 
-    (start) ──► TRAINING ──► READY ──► TRAINING (at t + 1: the round applied)
-                   │  ▲        │  └──► TRAINING (at t: the round applied nothing; its Δ is kept)
-                   │  │        ▼
-                   │  └──── LOADING (a newer or the agreed state; back to its own if the load failed)
+    (start) ──► TRAINING ──announce──► READY ──agreed──► COMMITTING ──applied──► TRAINING at t + 1
+                  │  ▲                     │                  │
+                  │  ├──failed or skipped──┘                  │
+                  │  ├──voided by the update check────────────┘
+                  │  │
+                  └─► LOADING (a newer or the agreed state; also from READY and COMMITTING after a round that
+                              applied nothing; back to TRAINING, at its own state if the load failed)
     (start) ──► KEEPING  (the run's keeper: it follows the run and serves its state, never trains)
     any phase ──► LEFT
 """
@@ -27,6 +30,9 @@ class Phase(str, Enum):
 
     TRAINING = "training"  # inner steps toward outer step t + 1 from its state at t
     READY = "ready"  # it announced its pseudo-gradient for t + 1, and its round's sync runs
+    # its group agreed on the round's mean (the reports matched, every reducer passed its audit): it applies it
+    # (the update check, its overlap steps) and says TRAINING at t + 1 next
+    COMMITTING = "committing"
     LOADING = "loading"  # it downloads the run's state at t (its sha256 is not that state's yet)
     KEEPING = "keeping"  # the run's keeper: it holds the state at t and serves it, never trains
     LEFT = "left"  # its last word
@@ -35,7 +41,8 @@ class Phase(str, Enum):
 TRANSITIONS: dict[Optional[Phase], frozenset[Phase]] = {
     None: frozenset({Phase.TRAINING, Phase.KEEPING, Phase.LEFT}),
     Phase.TRAINING: frozenset({Phase.TRAINING, Phase.READY, Phase.LOADING, Phase.LEFT}),
-    Phase.READY: frozenset({Phase.TRAINING, Phase.LOADING, Phase.LEFT}),
+    Phase.READY: frozenset({Phase.TRAINING, Phase.COMMITTING, Phase.LOADING, Phase.LEFT}),
+    Phase.COMMITTING: frozenset({Phase.TRAINING, Phase.LOADING, Phase.LEFT}),  # LOADING: after a void round
     Phase.LOADING: frozenset({Phase.TRAINING, Phase.LOADING, Phase.LEFT}),
     Phase.KEEPING: frozenset({Phase.KEEPING, Phase.LEFT}),
     Phase.LEFT: frozenset({Phase.LEFT}),

@@ -5,7 +5,7 @@ remembers of the run; each returns a decision with its reason.
 
 * :func:`plan_round`, before a round (DiLoCo's loop, :mod:`p2p_diloco.train.diloco`):
   * some live peer is at a later outer step: load the state (this peer is behind);
-  * a peer is committing its way to this peer's step: train (the vote at this step waits for it);
+  * a peer's round toward this peer's step runs or commits: train (the vote at this step waits for it);
   * peers at this step agree on another state (most records; ties: the larger sha256): load it;
   * else train.
 * :func:`behind_alone`: the run is ahead and nobody to average with is at this step: wait for the run's
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from p2p_diloco.protocol.view import (
-    LOADING, UNREACHABLE, PeerProgress, RunHistory, averaging_peers, committing_toward,
+    LOADING, UNREACHABLE, PeerProgress, RunHistory, averaging_peers, on_its_way_to,
 )
 
 
@@ -51,11 +51,12 @@ def plan_round(records: dict[str, PeerProgress], my_step: int, my_sha256: str) -
     frontier = max((r.outer_step for r in others.values()), default=my_step)
     if frontier > my_step:
         return _load(records, frontier, f"the swarm is at outer step {frontier}, this peer at {my_step}")
-    if any(committing_toward(r, my_step) for r in records.values()):
+    if any(on_its_way_to(r, my_step) for r in records.values()):
         # the vote at this step waits for them: the groupmates of the round this peer just applied land here
         # with its state, and a claim of another state at this step (a hostile one) must not win the vote
         # while their new records are not read yet (in CI, two peers outvoted so loaded a stranger's state)
-        return RoundPlan("train", "peers are still committing their way to this step", my_step)
+        return RoundPlan("train", "peers are still on their way to this step (ready or committing at the one before)",
+                         my_step)
     agreed = agreed_sha256(records, my_step)
     if agreed is not None and agreed != my_sha256:
         return _load(records, my_step, f"peers at outer step {my_step} agree on another global state")
@@ -108,9 +109,9 @@ def behind_alone(own_step: int, history: Optional[RunHistory], records: Mapping[
     """Whether the run is ahead of `own_step` (by the records this peer has seen) while no other live peer
     (`records`, this one's own left out) that trains is at that step: this peer then has nobody to average
     with but itself, and must not train. A keeper at that step does not count: it never averages. A peer
-    ready at the step before does: it is committing the round that brings it here (this peer's groupmates,
-    read a moment after the step they took together, before their new records are stored)."""
+    ready or committing at the step before does: its round may bring it here (this peer's groupmates, read a
+    moment after the step they took together, before their new records are stored)."""
     if history is None or history.outer_step <= own_step:
         return False
-    return not any(record.outer_step == own_step or committing_toward(record, own_step)
+    return not any(record.outer_step == own_step or on_its_way_to(record, own_step)
                    for record in averaging_peers(records, peer_id))

@@ -39,15 +39,16 @@ from p2p_diloco.remote_input import warn_once
 from p2p_diloco.protocol.ledger import Seen, TrustLedger, remember
 from p2p_diloco.protocol.phases import check_transition
 from p2p_diloco.protocol.view import (
-    DIRECT, KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, busy_toward, dialable,
+    COMMITTING, DIRECT, KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, busy_toward,
+    dialable,
 )
 from p2p_diloco.swarm.liveness import SilentPeers
 from p2p_diloco.swarm.records import ProgressValue, RecordPublisher, progress_key, read_signed, signed_records
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRAINING", "READY", "LOADING", "KEEPING", "LEFT", "PeerProgress", "RunHistory", "SwarmProgress",
-           "read_progress"]
+__all__ = ["TRAINING", "READY", "COMMITTING", "LOADING", "KEEPING", "LEFT", "PeerProgress", "RunHistory",
+           "SwarmProgress", "read_progress"]
 
 
 def parse_progress(subkey: object, value: object, fingerprint: str) -> Optional[PeerProgress]:
@@ -96,6 +97,7 @@ class SwarmProgress:
         # run's peers (fetch), and every one, expired ones too (at most MAX_EXPIRED of those), its history
         self._seen: Seen = {}
         self._merging = threading.Lock()
+        self._publishing = threading.RLock()  # the training loop publishes, and the round's sync says COMMITTING
         # the live records that the last fetch left out because they were set aside (set_aside): no plan
         # targets their claims, but they are peers of the run, and the state check counts them as dissent
         self.set_aside_records: dict[str, PeerProgress] = {}
@@ -105,11 +107,22 @@ class SwarmProgress:
     def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0) -> None:
         """This peer's record, stored in the background (a LEFT record, its last word, before this returns);
         :meth:`fetch` holds it from now on, whether or not the DHT does yet."""
-        check_transition(None if self._own is None else self._own.phase, phase)  # a bug if not: raises
-        value = dict(outer_step=outer_step, sha256=sha256, phase=phase, samples=samples, time=time.time(),
-                     fingerprint=self.fingerprint, reachability=self.reachability)
-        self._own = PeerProgress(self.peer_id, outer_step, sha256, phase, samples, value["time"], self.reachability)
-        self._publisher.publish(value, keep_fresh=phase != LEFT)
+        with self._publishing:
+            check_transition(None if self._own is None else self._own.phase, phase)  # a bug if not: raises
+            value = dict(outer_step=outer_step, sha256=sha256, phase=phase, samples=samples, time=time.time(),
+                         fingerprint=self.fingerprint, reachability=self.reachability)
+            self._own = PeerProgress(self.peer_id, outer_step, sha256, phase, samples, value["time"],
+                                     self.reachability)
+            self._publisher.publish(value, keep_fresh=phase != LEFT)
+
+    def committing(self, outer_step: int, sha256: str, samples: int) -> None:
+        """Say this peer's group agreed on the mean of its round at `outer_step` (the commit window, a phase of
+        its own: it applies the mean and says TRAINING at `outer_step` + 1 next). Called from the round's sync
+        thread: nothing if this peer has said its last word (LEFT) meanwhile."""
+        with self._publishing:
+            if self._own is not None and self._own.phase == LEFT:
+                return
+            self.publish(outer_step, sha256, COMMITTING, samples)
 
     def close(self) -> None:
         self._publisher.close()

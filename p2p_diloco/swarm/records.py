@@ -56,7 +56,8 @@ class ProgressValue(StrictModel):
 
     outer_step: OuterStep
     sha256: Sha256Hex
-    phase: Literal["training", "ready", "loading", "keeping", "left"]  # keeping: the run's keeper (train/keeper.py)
+    # committing: its group agreed on the round's mean; keeping: the run's keeper (train/keeper.py)
+    phase: Literal["training", "ready", "committing", "loading", "keeping", "left"]
     samples: Count
     time: FiniteFloat
     fingerprint: Sha256Hex

@@ -68,9 +68,9 @@ def step_needing_help(records: Sequence[PeerProgress]) -> Optional[int]:
 
 class RoundsToAssist:
     """The rounds an assistant joins: each outer step that needs help, once per publication of the
-    peers' "ready" records. The records of a round just reduced (or tried) still say "ready" until
-    their peers publish again; joining another round for them would find no group and hold the
-    assistant for a whole matchmaking timeout. A peer publishes anew (with a new time) for each
+    peers' "ready" records. The records of a round just tried and failed still say "ready" until their
+    peers publish again (those of a round reduced say "committing"); joining another round for them would
+    find no group and hold the assistant for a whole matchmaking timeout. A peer publishes anew (with a new time) for each
     round it is ready for, a retry included."""
 
     def __init__(self):

@@ -223,7 +223,7 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
         """The run's records for the next round's plan, and whether they were read now. After an applied round,
         those read while its sync ran (:meth:`_round`): a DHT read takes 30-100 ms on 2 loaded cores, up to
         0.8 s, and the inner loop would stand still for it. In them the group's records, this peer's own
-        included, may still say ready at the step before: committing their way here, as they are, so the plan
+        included, may still say ready or committing at the step before: on their way here, as they are, so the plan
         does not vote at this step (``plan_round``), and a peer far ahead was read all the same. After anything
         else (a failed or skipped round, a load, the start), a read now: where this peer stands in the run is
         the question then."""

@@ -83,7 +83,10 @@ class RoundSync:
         Never raises for the swarm's sake: a DHT node that is gone (its process stopped with the peer's,
         as a service manager stops every process of a unit at once) ends the round like any failure."""
         try:
-            return self._sync(step, fragment, to_send, samples, global_sha256)
+            outcome = self._sync(step, fragment, to_send, samples, global_sha256)
+            if outcome.result is not None:  # the group agreed on its mean: this peer commits it (its own phase)
+                self.progress.committing(step, global_sha256, samples)
+            return outcome
         except ConnectionError as e:  # swarm.node's DHT calls fail so once the DHT process is gone
             if self.stop_event.is_set():
                 return SyncOutcome(event=ROUND_STOPPED, reason=f"this peer is stopping ({e})")

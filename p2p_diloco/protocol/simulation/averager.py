@@ -62,9 +62,9 @@ class SimAverager:
             return None
         key = (step, sha256, leader)
         found = self.rounds.get(key)
-        if found is not None and found.started is not None:
-            return None
-        if found is None:
+        if found is not None and found.started is not None and now < found.ends:
+            return None  # its round runs: too late to join
+        if found is None or found.started is not None:  # none yet, or the last one is over: the leader opens one
             found = self.rounds[key] = SimRound(step, sha256, leader, planned, now)
         found.parts[peer] = (part, claim)
         return found

@@ -71,10 +71,10 @@ class SimDHT:
         for author, stored in self._records.items():
             if self.partition.get(author, 0) != side and author != reader:
                 continue
-            landed = [s for s in stored if s.lands <= seen_until]
+            landed = [(s.record.time, order, s) for order, s in enumerate(stored) if s.lands <= seen_until]
             if not landed or (faulty and author != reader and self.rng.random() < self.faults.miss):
                 continue
-            newest = max(landed, key=lambda s: s.lands)
+            newest = max(landed)[2]  # the one stored last: a DHT keeps the later expiration, not the later arrival
             gone = self._gone_at.get(author)
             expiration = math.inf if gone is None else gone + self.ttl
             found.append((newest.record, expiration))

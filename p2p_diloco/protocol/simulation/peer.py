@@ -32,7 +32,7 @@ from p2p_diloco.protocol.phases import check_transition
 from p2p_diloco.protocol.plans import RoundPlan, plan_averaging
 from p2p_diloco.protocol.trust import is_verifiable, unverified_step_trusted
 from p2p_diloco.protocol.view import (
-    DIRECT, LEFT, LOADING, READY, TRAINING, PeerProgress, busy_toward, round_closing, went_on_without,
+    COMMITTING, DIRECT, LEFT, LOADING, READY, TRAINING, PeerProgress, busy_toward, round_closing, went_on_without,
 )
 
 from p2p_diloco.protocol.simulation.schedule import HONEST, SCALER
@@ -230,7 +230,9 @@ class SimPeer:
         if plan.action == "skip":
             return f"skipped: {plan.reason}"
         if plan.action == "alone":
-            return self.apply(self.swarm.commit_alone(self, self.sent()), "alone")
+            sent = self.sent()
+            yield from self.committing(step, sha)
+            return self.apply(self.swarm.commit_alone(self, sent), "alone")
         membership = None
         for attempt in range(1, settings.attempts + 1):
             membership = plan_membership(records, step, sha, self.peer_id, DIRECT, self.next_attempt(step),
@@ -241,6 +243,7 @@ class SimPeer:
             if outcome is None:
                 return "failed: no leader took it in"
             if outcome.mean is not None:
+                yield from self.committing(step, sha)
                 return self.apply(self.swarm.commit(outcome, step, sha), f"averaged in {len(outcome.members)}")
             if attempt == settings.attempts:
                 return f"failed: members lost: {outcome.failed}"
@@ -248,6 +251,12 @@ class SimPeer:
             if any(r.outer_step > step for r in records.values()):
                 return "skipped: attempt failed while the swarm moved on"
         return "failed: no attempt left"
+
+    def committing(self, step: int, sha: str):
+        """The commit window: the group agreed on the mean; the peer says COMMITTING while it runs the update
+        check and its overlap steps (``commit_s``), then applies the mean."""
+        self.publish(step, sha, COMMITTING, self.held_samples)
+        yield self.swarm.settings.commit_s
 
     def wait_for_groupmates(self, step: int, sha: str):
         deadline = self.now + self.swarm.settings.round_wait_timeout

@@ -45,6 +45,7 @@ class SimSettings:
     # ALIVE checks 2 s apart (swarm.liveness.SilentPeers), where the wait for its report took commit_timeout
     failure_detection_s: float = 4.0
     download_s: float = 1.0
+    commit_s: float = 0.5  # from the group's agreement to the state at t + 1: the update check, the overlap steps
     ttl: float = 60.0  # swarm.progress_ttl
     update_check: str = "clip"  # or "void": the rule before issue 42
     max_growth: float = 16.0
