@@ -392,6 +392,7 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
             global_sha256=self.sha256,
             bytes_sent=traffic.sent,
             bytes_received=traffic.received,
+            bytes_by_phase=traffic.by_phase(),  # the same bytes by phase (p2p_diloco.traffic.PHASES)
             codec=self.cfg.outer.codec,
             inner_steps=self.inner.steps_done,
             lr=self.inner.scheduler.get_last_lr()[0],
