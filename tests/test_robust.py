@@ -152,15 +152,24 @@ def test_a_scaled_part_or_an_inflated_claim_moves_the_result_little(senders, att
         assert counted_claims(claims, ROBUST[0])[-1] == 2 * 128.0  # what the others weigh together, at most
 
 
-def test_a_heavy_sender_pulls_the_centre_no_more_than_an_equal_one():
-    """Weight-aware CenteredClip: a far part with twice the mean weight pulls no more than τ/n per iteration,
-    so −100·Δ with a claim of 2^48 moves the result about as far as with an honest claim."""
-    parts, claims = honest_parts(5), [128.0] * 5
-    clean = aggregate(parts, claims, ROBUST[0])
-    parts[-1] = parts[-1] * -100
-    honest_claim = relative_error(aggregate(parts, claims, ROBUST[0]), clean)
-    claims[-1] = 2.0**48
-    assert relative_error(aggregate(parts, claims, ROBUST[0]), clean) < 1.25 * honest_claim
+def test_a_heavy_sender_pulls_the_centre_no_more_than_a_median_one():
+    """Weight-aware CenteredClip (counted_pull): extra weight counts only for a part near the centre, so −100·Δ
+    with a claim of 2^48 moves the result exactly as with an honest claim (less than under the rule before
+    issue 44, whose norm clip let it double its part), while an island's less noisy Δ with twice the samples
+    counts twice: the result is the weighted mean."""
+    for senders in (3, 5):
+        parts, claims = honest_parts(senders), [128.0] * senders
+        parts[-1] = parts[-1] * -100
+        honest_claim = aggregate(parts, claims, ROBUST[0])
+        claims[-1] = 2.0**48
+        assert torch.equal(aggregate(parts, claims, ROBUST[0]), honest_claim)
+        clean = aggregate(honest_parts(senders), [128.0] * senders, ROBUST[0])
+        assert relative_error(honest_claim, clean) < relative_error(aggregate(parts, claims, OLD_RULE), clean)
+    generator = torch.Generator().manual_seed(99)
+    parts, claims = honest_parts(3), [128.0, 128.0, 256.0]
+    shared = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))  # honest_parts(…, seed 0)'s signal
+    parts[2] = shared + torch.randn(NUMEL, generator=generator) / 2**0.5  # an island's Δ: half the noise variance
+    assert relative_error(aggregate(parts, claims, ROBUST[0]), weighted_mean(parts, claims)) < 0.01
 
 
 def test_trim_counts_and_medians_are_members_and_signed_zeros_are_one_value():

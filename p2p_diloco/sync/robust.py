@@ -21,11 +21,12 @@ run for good). The rules here bound what any minority of senders can do to a par
 
    * ``centered-clip`` (Karimireddy, He & Jaggi, arXiv 2012.10333, eq. (CC); run inside the butterfly
      by BTARD, Gorbunov et al., arXiv 2106.11257): from the coordinate-wise median v₀,
-     ``v ← v + Σᵢ wᵢ·(xᵢ − v)·min(1, τᵢ/‖xᵢ − v‖) / Σᵢ wᵢ``, ``clip_iterations`` times, with radius
-     ``τ = clip_factor`` × the median distance ‖xᵢ − v₀‖, shrunk for a sender weighing more than the
-     mean weight W/n to τᵢ = τ·(W/n)/wᵢ (weight-aware: see :func:`centered_clip`). A sender pulls v by at
-     most τ/n per iteration, whatever its weight and however far it is; honest parts within their τᵢ
-     count fully, and when all of them are within it one iteration gives their weighted mean.
+     ``v ← v + Σᵢ wᵢ·(xᵢ − v)·min(1, τ/‖xᵢ − v‖) / Σᵢ wᵢ``, ``clip_iterations`` times, with radius
+     ``τ = clip_factor`` × the median distance ‖xᵢ − v₀‖, weight-aware (:func:`counted_pull`): a sender
+     heavier than the median weight w̃ counts in full only within τ·w̃/wᵢ of v, and as a median sender
+     farther away. A sender pulls v by at most τ·w̃/Σw per iteration, whatever it claims and however
+     far it is; honest parts within reach count fully, and when all of them are within it one iteration
+     gives their weighted mean.
    * ``trimmed-mean``: per coordinate, the ⌈trim_fraction·n⌉ largest and smallest values dropped (at
      most (n − 1)/2 each side, so the median is left for 3 senders), the rest averaged (unweighted).
    * ``mean``: DiLoCo's exact weighted mean (:func:`weighted_mean`), with the claims as they are:
@@ -238,28 +239,40 @@ def trimmed_mean(parts: Sequence[torch.Tensor], trim: int) -> torch.Tensor:
 def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], clip_factor: float,
                   iterations: int) -> torch.Tensor:
     """CenteredClip (arXiv 2012.10333, eq. (CC)) from the coordinate-wise median, radius ``clip_factor``
-    × the median distance of the parts to it, weight-aware; see the module's docstring.
-
-    A sender whose weight wᵢ is above the mean weight W/n has its radius shrunk by (W/n)/wᵢ, so that its
-    pull on the centre, wᵢ/W × min(‖xᵢ − v‖, τᵢ), is never more than τ/n, an equal sender's most: a
-    large weight counts in full only for a part near the centre (an island's Δ agrees with the others'),
-    and buys a part far from it nothing."""
+    × the median distance of the parts to it, weight-aware (:func:`counted_pull`); see the module's docstring."""
     centre = coordinate_median(parts).clone()
-    total_weight = sum(weights)
-    mean_weight = total_weight / len(weights)
+    typical = lower_median(list(weights))
     step = torch.empty_like(centre)
     pulls = [torch.sub(part, centre) for part in parts]
     distances = [norm(pull) for pull in pulls]
     radius = clip_factor * lower_median(distances)
-    radii = [radius * min(1.0, mean_weight / weight) if weight > 0 else radius for weight in weights]
     for iteration in range(iterations):
         if iteration:  # the first iteration's pulls are those the radius was taken from
             for pull, part in zip(pulls, parts):
                 torch.sub(part, centre, out=pull)
             distances = [norm(pull) for pull in pulls]
+        counted = [counted_pull(weight, distance, typical, radius) for weight, distance in zip(weights, distances)]
+        total_weight = sum(weight for weight, _ in counted)
         step.zero_()
-        for pull, distance, weight, reach in zip(pulls, distances, weights, radii):
-            scale = min(1.0, reach / distance) if distance > 0 else 1.0
+        for pull, (weight, scale) in zip(pulls, counted):
             step.add_(pull.mul_(as_float32(weight * scale / total_weight)))
         centre.add_(step)
     return centre
+
+
+def counted_pull(weight: float, distance: float, typical: float, radius: float) -> tuple[float, float]:
+    """(the weight a sender counts with in one CenteredClip iteration, the factor of its pull xᵢ − v).
+
+    A weight up to the median weight `typical` (an honest value while hostile senders are fewer than half)
+    counts as CenteredClip counts it, its pull clipped to `radius`. A weight above it counts in full only
+    for a part within radius × typical / weight of the centre (an island's Δ, which agrees with the
+    others'); a heavier part farther away counts as a median sender, clipped to `radius`. So no sender
+    pulls the centre harder than a median one can, τ·typical/Σ, and a liar that claims more but sends a
+    part far from the others' (−100·Δ with 2^48 samples) moves the centre as it would claiming the median:
+    extra weight is earned within the round, by agreeing."""
+    clipped = min(1.0, radius / distance) if distance > 0 else 1.0
+    if weight <= typical:
+        return weight, clipped
+    if distance * weight <= radius * typical:
+        return weight, 1.0
+    return typical, clipped
