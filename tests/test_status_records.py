@@ -285,3 +285,29 @@ def test_a_status_record_as_a_peer_publishes_it_passes_every_nodes_schema_check(
     assert validator.validate(record(dict(value, stored_step=3, phase="keeping")))
     assert validator.validate(record(dict(value, eval_loss=4.0833, eval_step=9)))  # its latest held-out loss
     assert not validator.validate(record({k: v for k, v in value.items() if k != "stored_step"}))
+
+
+def test_an_assistance_request_as_a_peer_publishes_it_passes_every_nodes_schema_check(tmp_path):
+    """The same trap for an unreachable peer's assistance request: one without the claim cap and the norm clip (left
+    to their defaults) was refused by every node, so no assistant ever reduced for a run nobody can dial."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.schema import SchemaValidator
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer, get_dht_time
+
+    from p2p_diloco.config import load_config
+    from p2p_diloco.swarm.records import SHARED_PREFIX, SharedRecords
+    from p2p_diloco.sync.assistant import assistance_request
+    from tests.swarm_helpers import tiny_config_file
+
+    validator = SchemaValidator(SharedRecords, allow_extra_keys=True, prefix=SHARED_PREFIX)
+    cfg = load_config(tiny_config_file(tmp_path, outer={"claim_cap": 2, "norm_clip": 1.5}))  # TOML integers too
+    value = assistance_request(cfg, "a" * 64, [(300, 32), (32,)], [[0, 1]], time.time())
+
+    def record(value: dict) -> DHTRecord:
+        return DHTRecord(key=DHTID.generate(source=f"{SHARED_PREFIX}_assistance").to_bytes(),
+                         subkey=MSGPackSerializer.dumps(b"[owner:key]"), value=MSGPackSerializer.dumps(value),
+                         expiration_time=get_dht_time() + 10)
+
+    assert validator.validate(record(value))
+    assert not validator.validate(record({k: v for k, v in value.items() if k != "claim_cap"}))

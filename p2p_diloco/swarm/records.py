@@ -185,8 +185,11 @@ class AssistanceRequest(StrictModel):
     clip_factor: FiniteFloat
     clip_iterations: pydantic.conint(strict=True, ge=1, le=100)
     trim_fraction: FiniteFloat
-    claim_cap: FiniteFloat = 4.0  # absent from a request: outer.claim_cap's default
-    norm_clip: FiniteFloat = 1.0  # likewise outer.norm_clip's
+    # required, not defaulted: hivemind's schema check refuses a record whose parsed value differs from the value
+    # stored, and a default the request left out is such a difference (every request was refused, and no assistant
+    # ever reduced for a run nobody can dial)
+    claim_cap: FiniteFloat
+    norm_clip: FiniteFloat
     # indices into `shapes` of each Streaming DiLoCo fragment (p2p_diloco.train.fragments); None: one of all
     fragments: Optional[pydantic.conlist(pydantic.conlist(pydantic.conint(strict=True, ge=0, lt=MAX_TENSORS),
                                                            min_items=1, max_items=MAX_TENSORS),

@@ -151,6 +151,20 @@ class Assistant:
             self.averager.shutdown()
 
 
+def assistance_request(cfg, fingerprint: str, shapes: Sequence[Sequence[int]], fragments: list[list[int]],
+                       now: float) -> dict:
+    """The request an unreachable peer of a run with settings `cfg` (a :class:`~p2p_diloco.config.Config`)
+    publishes at `now`: every field of :class:`~p2p_diloco.swarm.records.AssistanceRequest`, none left to a
+    default (hivemind's schema check refuses a record that parsing would change)."""
+    swarm, outer = cfg.swarm, cfg.outer
+    return dict(run=cfg.run.name, fingerprint=fingerprint, time=now, shapes=[list(shape) for shape in shapes],
+                matchmaking_time=swarm.matchmaking_time, request_timeout=swarm.request_timeout,
+                allreduce_timeout=swarm.allreduce_timeout, next_chunk_timeout=swarm.next_chunk_timeout,
+                codec=outer.codec, fragments=fragments, aggregation=outer.aggregation, clip_factor=outer.clip_factor,
+                clip_iterations=outer.clip_iterations, trim_fraction=outer.trim_fraction, claim_cap=outer.claim_cap,
+                norm_clip=outer.norm_clip)
+
+
 def read_assistance_requests(dht: DHT) -> dict[tuple[str, str], AssistanceRequest]:
     """The latest well-formed request for each (run, fingerprint), from the peers that signed them."""
     requests: dict[tuple[str, str], AssistanceRequest] = {}

@@ -30,6 +30,7 @@ from p2p_diloco.swarm.node import RunNode
 from p2p_diloco.swarm.progress import SwarmProgress
 from p2p_diloco.swarm.records import RecordPublisher, assistance_key
 from p2p_diloco.swarm.status import StatusPublisher
+from p2p_diloco.sync.assistant import assistance_request
 from p2p_diloco.sync.outer_sync import OuterSync
 from p2p_diloco.sync.robust import aggregation_rule
 from p2p_diloco.sync.state_store import StateStore, StoreWriter
@@ -170,14 +171,8 @@ class RunMember(StateLoading, Checkpointing):
         swarm = self.cfg.swarm
         publisher = RecordPublisher(node.dht, assistance_key(), node.identity.record_subkey, swarm.progress_ttl,
                                     "assistance request")
-        publisher.publish(dict(run=self.cfg.run.name, fingerprint=fingerprint, time=time.time(),
-                               shapes=[list(p.shape) for p in self.local_params],
-                               matchmaking_time=swarm.matchmaking_time, request_timeout=swarm.request_timeout,
-                               allreduce_timeout=swarm.allreduce_timeout, next_chunk_timeout=swarm.next_chunk_timeout,
-                               codec=self.cfg.outer.codec, fragments=self.schedule.fragments,
-                               aggregation=self.cfg.outer.aggregation, clip_factor=self.cfg.outer.clip_factor,
-                               clip_iterations=self.cfg.outer.clip_iterations,
-                               trim_fraction=self.cfg.outer.trim_fraction))
+        publisher.publish(assistance_request(self.cfg, fingerprint, [p.shape for p in self.local_params],
+                                             self.schedule.fragments, time.time()))
         return publisher
 
     # ----- state shared with joiners -------------------------------------------------------------
