@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, TensorPartContainer, TensorPartReducer
 
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.process_tree import command_name, is_running, kill_tree, start_ticks, wait_gone
@@ -177,7 +177,9 @@ def part_starts(container: TensorPartContainer, tensor: int | None = None) -> li
 def test_parts_start_on_the_codec_block_grid(codec):
     """hivemind's TensorPartContainer, as the runner builds it: every part starts on the codec's block grid
     (hivemind alone cuts the 4-bit codecs' parts at 932,067 values), and is as large as the grid allows."""
-    tensors = [torch.zeros(s) for s in LARGE_SHAPES]
+    # the first tensor spans several of hivemind's parts in every codec (a mask codec's part holds 7.5M values)
+    per_part = int(DEFAULT_PART_SIZE_BYTES / (4 * CodecCompression(CODECS[codec]).estimate_compression_ratio(None)))
+    tensors = [torch.zeros(max(s.numel(), 2 * per_part + 3) if i == 0 else s) for i, s in enumerate(LARGE_SHAPES)]
     container = TensorPartContainer(tensors, [1.0, 1.0, 1.0], **part_container_settings(CODECS[codec]))
     starts = part_starts(container)
     blocksize = CODECS[codec].blocksize

@@ -131,6 +131,7 @@ class CodecCompression(CompressionBase):
 
 PARTS_PER_REDUCER = 8  # parts each reducer gets at least, where they stay above MIN_PART_BYTES
 MIN_PART_BYTES = 32 * 1024  # encoded: smaller parts cost more in per-message overhead than they balance
+MIN_PARTS_PER_REDUCER = 4  # ... unless a reducer would get fewer parts than this (a sparse codec's small round)
 
 
 def balanced_part_size_bytes(codec: Codec, total_values: int, reducers: int,
@@ -144,7 +145,11 @@ def balanced_part_size_bytes(codec: Codec, total_values: int, reducers: int,
     round finer: a sender encodes its next part while the last one travels, and a reducer sums each part as it
     completes. Every member computes the same size from the group's `total_values` and `reducers`."""
     encoded = codec.encoded_size(total_values)
-    return max(MIN_PART_BYTES, min(cap, encoded / (max(reducers, 1) * PARTS_PER_REDUCER)))
+    reducers = max(reducers, 1)
+    # the floor still leaves each reducer MIN_PARTS_PER_REDUCER parts: a mask codec's whole round can be below
+    # reducers × MIN_PART_BYTES (the demo model's 688,768 values in mask8-e3m0 are 48 KB: one of 3 reducers got none)
+    floor = min(MIN_PART_BYTES, encoded / (reducers * MIN_PARTS_PER_REDUCER))
+    return max(floor, min(cap, encoded / (reducers * PARTS_PER_REDUCER)))
 
 
 def part_container_settings(codec: Codec, part_size_bytes: float = DEFAULT_PART_SIZE_BYTES) -> dict:
