@@ -371,7 +371,8 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
         self.progress.publish(step, self.sha256, TRAINING)
         traffic = self.sync.averager.traffic
         lap = self.clock.lap()
-        self.view.applied(samples, result.group_size, traffic.sent + traffic.received, lap["compute_utilization"])
+        self.view.applied(samples, result.group_size, traffic.sent + traffic.received, lap["compute_utilization"],
+                          counted_samples=result.counted_samples)
         # the checkpoint before the record: a peer killed between the two (an island whose rank died, mid-save)
         # never has a record of a step that its checkpoint lacks
         self._save_checkpoint()
