@@ -41,8 +41,10 @@ methods are the seams a hostile test peer patches: :meth:`ExactAllReduceRunner._
 starts off the codec's block grid is coded in other blocks than the whole tensor. The runner passes
 a part size rounded down to a multiple of :attr:`Codec.blocksize <p2p_diloco.sync.codecs.Codec.blocksize>`
 (:func:`part_container_settings`), so every part starts on the grid, and small enough that each
-reducer gets about eight parts (:func:`balanced_part_size_bytes`), so that the reducers' shares of
-encoded bytes are nearly equal.
+reducer gets about eight parts (:func:`balanced_part_size_bytes`; at least four where a sparse codec's round
+is small), so that the reducers' shares of encoded bytes are nearly equal. A codec whose coordinates depend on
+the round (a shared mask: :meth:`Codec.for_round <p2p_diloco.sync.codecs.Codec.for_round>`) is bound to the
+group's ID, which every member holds, before the runner codes a part.
 
 **Reducers' results.** Each reducer's result is :func:`~p2p_diloco.sync.robust.aggregate` of the
 senders' parts in sender order under the run's rule (``outer.aggregation``: a robust mean by default,
