@@ -57,7 +57,8 @@ def test_two_peers_match_the_streaming_oracle(tmp_path, sync_delay, merge_alpha)
     torch.set_num_threads(1)
     cfg = tiny_config(model={"num_layers": 2}, inner={"steps_per_outer": 6},
                       outer={"fragments": 2, "sync_delay": sync_delay, "merge_alpha": merge_alpha,
-                             "fixed_sync_delay": True},  # the oracle's τ: exactly sync_delay steps
+                             "fixed_sync_delay": True,  # the oracle's τ: exactly sync_delay steps
+                             "aggregation": "mean"},  # the oracle's weighted mean (see test_reference_math.py)
                       swarm={"match_ahead": True})
     outer_steps = 4  # each fragment syncs twice
     batch_lists = fixed_batches(2, outer_steps * 3 + sync_delay, cfg.inner.batch_size, cfg.data.seq_len, VOCAB)
