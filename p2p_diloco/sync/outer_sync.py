@@ -76,6 +76,12 @@ class GroupMean:
         return sorted(self.tokens)
 
 
+def _refuse_abandoned(delta: "PendingDelta") -> None:
+    """RoundFailed, before any tensor moved, if the inner loop abandoned `delta` (this peer is stopping)."""
+    if delta.settled and delta.tensors is None:
+        raise RoundFailed("this peer stopped before its pseudo-gradient was taken", tensors_touched=False)
+
+
 LEFT_BEHIND_POLL_S = 1.0  # how often a peer still matching reads whether its group went on without it
 ROUND_POLL_S = 0.05  # how often a peer waiting for its round looks at it (cancels, and when its group formed)
 ASSEMBLED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)  # its group is formed
@@ -320,8 +326,7 @@ class OuterSync:
         """
         stop = stop or threading.Event()
         delta = pseudo_gradient if isinstance(pseudo_gradient, PendingDelta) else PendingDelta(pseudo_gradient)
-        if delta.settled and delta.tensors is None:
-            raise RoundFailed("this peer stopped before its pseudo-gradient was taken", tensors_touched=False)
+        _refuse_abandoned(delta)
         token = self.averager.new_token()  # names this attempt in the group's round reports; commits to a secret
         times = RoundTimes(started=time.monotonic())
         try:
@@ -383,6 +388,7 @@ class OuterSync:
         indices = self.averager.fragments[fragment]
         ahead = not delta.settled  # matched ahead of the Δ: the all-reduce waits for its hand-over
         if not ahead:
+            _refuse_abandoned(delta)  # the inner loop may have abandoned it since average() looked (a stop)
             self._load(indices, delta, times)
         timeout = round_timeout(self.cfg)
         if membership is not None:
