@@ -57,7 +57,7 @@ def on_its_way_to(record: PeerProgress, outer_step: int) -> bool:
     """Whether `record`'s peer's round toward `outer_step` runs (READY at t − 1: its all-reduce, reports and audit
     may still fail) or is committing (:func:`committing_toward`): either may bring it to `outer_step` any moment,
     so a peer there waits for it before it votes, averages or calls itself alone."""
-    return record.outer_step == outer_step - 1 and record.phase in (READY, COMMITTING)
+    return committing_toward(record, outer_step) or (record.outer_step == outer_step - 1 and record.phase == READY)
 
 
 def averages(record: PeerProgress) -> bool:
