@@ -11,7 +11,7 @@ from typing import Optional
 
 import click
 
-from p2p_diloco import __version__
+from p2p_diloco.version import __version__
 from p2p_diloco.metrics import EVENTS
 
 

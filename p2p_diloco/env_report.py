@@ -72,7 +72,7 @@ NOT_CHECKED = dict(checked=False, detail="not checked: it needs a swarm member t
 def collect(reachability: dict) -> dict:
     """The whole report as a dict (the `--json` output); `reachability` from :func:`check_reachability`
     or NOT_CHECKED."""
-    from p2p_diloco import __version__
+    from p2p_diloco.version import __version__
 
     import torch
 

@@ -180,7 +180,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
     The model and tokenizer come from the run config at `config_path` when given, else from what the
     peer saved beside the checkpoint. Raises ExportError, ConfigError or DataError (one line each).
     """
-    from p2p_diloco import __version__
+    from p2p_diloco.version import __version__
     from p2p_diloco.train.checkpoint import checkpoint_path
 
     out = Path(out)

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+from typing import Iterable
 
 from p2p_diloco.logs import flush_child_logs
 
@@ -34,11 +35,14 @@ def install_stop_handlers(why: str = "") -> threading.Event:
     return stop
 
 
-def shutdown_dht(dht) -> None:
-    """Stop the DHT (and with it p2pd), then make sure no process this node started is left running."""
+def shutdown_dht(dht, keep: Iterable[int] = ()) -> None:
+    """Stop the DHT (and with it p2pd), then make sure no process this node started is left running: every
+    process under this one but torch's shared-memory manager and `keep` (those that ran before the node
+    started: a library peer's caller may have processes of its own)."""
     from p2p_diloco.process_tree import descendant_pids, stop_processes, without_torch_shm_manager
 
-    children = without_torch_shm_manager(descendant_pids(os.getpid()))  # the manager exits with us
+    kept = set(keep)
+    children = [pid for pid in without_torch_shm_manager(descendant_pids(os.getpid())) if pid not in kept]
     dht.shutdown()
     stop_processes(children)
     flush_child_logs()  # their last lines, on a terminal (p2p_diloco.logs)

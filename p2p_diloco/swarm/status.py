@@ -123,7 +123,7 @@ def first_status(fingerprint: str, settings: dict[str, Any], reachability: str, 
     too: hivemind's schema check on every DHT node refuses a record that parsing would change, and a
     field filled in with its default is such a change (a missing ``stored_step`` made every status record
     malformed): the optional fields are filled in from the schema's own defaults."""
-    from p2p_diloco import __version__
+    from p2p_diloco.version import __version__
 
     defaults = {name: field.default for name, field in StatusValue.__fields__.items() if not field.required}
     return dict(defaults, outer_step=0, phase=STARTING, inner_steps=0, samples_per_s=0.0, loss=None,

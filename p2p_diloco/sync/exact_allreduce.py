@@ -90,7 +90,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import achain, aenumerate, anext, as_aiter, attach_event_on_finished, azip
 
-from p2p_diloco import faults
+import p2p_diloco.faults as faults
 from p2p_diloco.event_loop import keep_tasks_in
 from p2p_diloco.sync.audit import ReducerAudit, RoundLedger
 from p2p_diloco.sync.codecs import Codec, get_codec

@@ -53,7 +53,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
-from p2p_diloco import faults
+import p2p_diloco.faults as faults
 from p2p_diloco.protocol.membership import leader_rank
 from p2p_diloco.sync.group_screen import GroupMetadata, ScreenedMatchmaking, parse_gathered
 

@@ -45,7 +45,7 @@ from hivemind.utils.asyncio import as_aiter
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from p2p_diloco import faults
+import p2p_diloco.faults as faults
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.remote_input import Count, OuterStep, Sha256Hex, StrictModel, parse, tensor_problem, warn_once
 from p2p_diloco.traffic import counted_get, traffic_of

@@ -74,7 +74,7 @@ class Checkpointing:
             self.inner.fast_forward_schedule(state["inner_steps"])
         self.data_shard = state.get("data_shard")
         self._saved_data_state = checkpointed_stream_state(state, order_seed(self.cfg.run.seed, self.peer_id))
-        if self.data_shard is not None and not 0 <= self.data_shard < self.data.num_shards:
+        if self.data_shard is not None and (self.data is None or not 0 <= self.data_shard < self.data.num_shards):
             logger.warning("the checkpoint's data shard %d is not one of the %d shards of this config: reading "
                            "another shard from its start", self.data_shard, self.data.num_shards)
             self.data_shard, self._saved_data_state = None, None

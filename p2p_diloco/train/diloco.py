@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from p2p_diloco import faults
+import p2p_diloco.faults as faults
 from p2p_diloco.protocol.decide import LOAD, WAIT
 from p2p_diloco.protocol.update_rule import CLIPPED, VOID
 from p2p_diloco.protocol.view import READY, TRAINING, PeerProgress
@@ -156,7 +156,13 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
         logger.warning("training anyway (--ignore-other-settings): %s", mismatch)
 
     def _open_data(self, statuses: dict) -> None:
-        """This peer's data stream: where its checkpoint left it, or a shard that no live peer reads."""
+        """This peer's data stream: where its checkpoint left it, or a shard that no live peer reads (none for
+        a library peer: its loop reads its own data)."""
+        if self.data is None:
+            self.view.training(data_shard=None)
+            self.metrics.write("join", outer_step=self.global_model.outer_step, global_sha256=self.sha256,
+                               from_checkpoint=self.restored)
+            return
         if self.data_shard is None:
             self.data_shard = choose_shard(statuses, self.peer_id, self.data.num_shards, self.fingerprint)
         state = self._saved_data_state
@@ -396,7 +402,7 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
             bytes_by_phase=traffic.by_phase(),  # the same bytes by phase (p2p_diloco.traffic.PHASES)
             codec=self.cfg.outer.codec,
             inner_steps=self.inner.steps_done,
-            lr=self.inner.scheduler.get_last_lr()[0],
+            lr=self.inner.lr,
             **lap,
         )
         logger.info(

@@ -65,3 +65,28 @@ def split_into_fragments(names: Sequence[str], num_fragments: int, layout: str) 
 def _block_index(name: str):
     match = BLOCK_INDEX.search(name)
     return int(match.group(1)) if match else None
+
+
+def named_fragments(model: torch.nn.Module, groups: Sequence[Sequence[str]]) -> list[list[int]]:
+    """The fragments a library user names: each a list of parameter names, a name also standing for every
+    parameter under it (``"encoder"`` for ``encoder.0.weight``, ...); every trainable parameter in exactly one,
+    in :func:`~p2p_diloco.train.model.trainable_parameters` order. FragmentError (one line) otherwise."""
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    if not groups or any(isinstance(group, str) or not group for group in groups):
+        raise FragmentError("fragments: give a list of fragments, each a non-empty list of parameter names, "
+                            "e.g. [['encoder'], ['decoder', 'head']]")
+
+    def under(name: str, prefix: str) -> bool:
+        return name == prefix or name.startswith(prefix + ".")
+
+    fragments: list[list[int]] = [[] for _ in groups]
+    for i, name in enumerate(names):
+        owners = [f for f, group in enumerate(groups) if any(under(name, prefix) for prefix in group)]
+        if len(owners) != 1:
+            raise FragmentError(f"fragments: parameter {name!r} is in {len(owners)} fragments; each trainable "
+                                f"parameter must be in exactly one")
+        fragments[owners[0]].append(i)
+    empty = [f for f, indices in enumerate(fragments) if not indices]
+    if empty:
+        raise FragmentError(f"fragments: fragment {empty[0]} ({list(groups[empty[0]])}) names no trainable parameter")
+    return fragments

@@ -151,6 +151,11 @@ class InnerTrainer:
         self.scheduler = make_inner_scheduler(self.optimizer, cfg)
         self.steps_done = 0
 
+    @property
+    def lr(self) -> float:
+        """The inner learning rate of the last step (of the first parameter group)."""
+        return self.scheduler.get_last_lr()[0]
+
     def _autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()

@@ -38,10 +38,13 @@ class Contribution:
         self.steps = 0
         self.last_mean_loss: Optional[float] = None
 
-    def add(self, loss: float, samples: int) -> None:
+    def add(self, loss: Optional[float], samples: int) -> None:
+        """An inner step over `samples`, with its `loss` (None: a library loop that did not say it; the mean
+        loss counts only the steps that did)."""
         self.total_samples += samples
-        self.loss_sum += loss
-        self.steps += 1
+        if loss is not None:
+            self.loss_sum += loss
+            self.steps += 1
 
     def recent_loss(self) -> Optional[float]:
         """The mean loss of the inner steps since the last outer_step record, or of those before it."""

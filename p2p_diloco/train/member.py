@@ -70,12 +70,33 @@ class PeerData(Protocol):
     def open(self, shard: int, state: Optional[dict]) -> BatchStream: ...
 
 
+class InnerSteps(Protocol):
+    """Where a member's inner steps come from: :class:`~p2p_diloco.train.inner.InnerTrainer` computes them (the
+    CLI), :class:`~p2p_diloco.train.user_loop.UserLoop` waits for a user's loop to take them (the library)."""
+
+    optimizer: torch.optim.Optimizer  # its state goes into the checkpoint
+    device: torch.device
+    micro_batch_size: int
+    steps_done: int
+    batches: Any  # the CLI's stream of batches, set when the peer joins
+
+    @property
+    def lr(self) -> float: ...
+
+    def step(self) -> tuple[Optional[float], int]: ...  # one inner step: its loss (None: not told) and samples
+
+    def fast_forward_schedule(self, steps: int) -> None: ...
+
+
 class RunMember(StateLoading, Checkpointing):
     """A member of the run: a model, its inner trainer, θ_global, and its link to the swarm (see the module).
 
     `data` opens this member's stream of training batches (a shard no other live peer reads, when the
     data is sharded); the stream's state goes into the checkpoint, so a restarted peer goes on with
-    the data it had not seen. `node` is its DHT node, with the identity that signs its records and how
+    the data it had not seen. None: the inner steps come from `inner` (a user's loop reads its own data).
+    `inner` is where its inner steps come from (:class:`InnerSteps`; default: an
+    :class:`~p2p_diloco.train.inner.InnerTrainer` on `data`), and `fragments` the parameter indices of
+    each Streaming DiLoCo fragment (default: the model's transformer blocks, :func:`model_fragments`). `node` is its DHT node, with the identity that signs its records and how
     others reach it; `settings` the run settings it trains with (:func:`p2p_diloco.config.shared_settings`),
     whose fingerprint decides which peers it averages with. `display` shows the inner steps' progress
     (:class:`p2p_diloco.train.display.InnerProgress`), if given. `micro_batch_size` is the one chosen for
@@ -94,7 +115,7 @@ class RunMember(StateLoading, Checkpointing):
         self,
         cfg: Config,
         model: torch.nn.Module,
-        data: PeerData,
+        data: Optional[PeerData],
         node: RunNode,
         settings: dict[str, Any],
         metrics: Optional[MetricsWriter] = None,
@@ -104,6 +125,8 @@ class RunMember(StateLoading, Checkpointing):
         trusted_peers: Sequence[str] = (),
         island: Optional[IslandLead] = None,
         heldout: Optional[torch.Tensor] = None,
+        inner: Optional[InnerSteps] = None,
+        fragments: Optional[list[list[int]]] = None,
     ):
         self.cfg = cfg
         self.model = model
@@ -113,10 +136,10 @@ class RunMember(StateLoading, Checkpointing):
         self.data = data
         self.data_shard: Optional[int] = None  # chosen when the peer joins (from its checkpoint, or free)
         self._saved_data_state: Optional[dict] = None  # the stream's state in a restored checkpoint
-        self.inner = InnerTrainer(model, cfg.inner, iter(()), cfg.compute,  # batches from _open_data
-                                  micro_batch_size, self.island.island, self.island.forward_model)
+        self.inner = inner or InnerTrainer(model, cfg.inner, iter(()), cfg.compute,  # batches from _open_data
+                                           micro_batch_size, self.island.island, self.island.forward_model)
         self.global_model = GlobalModel(self.local_params, cfg.outer)
-        self.schedule = FragmentSchedule(model_fragments(model, cfg.outer), cfg.inner.steps_per_outer,
+        self.schedule = FragmentSchedule(fragments or model_fragments(model, cfg.outer), cfg.inner.steps_per_outer,
                                          cfg.outer.sync_delay, cfg.outer.fixed_sync_delay)
         error_feedback = cfg.outer.error_feedback and cfg.outer.codec != "none"
         self.local = LocalWork(self.local_params, len(self.schedule.fragments),
@@ -140,7 +163,9 @@ class RunMember(StateLoading, Checkpointing):
         status = StatusPublisher(node.dht, cfg.run.name, node.identity.record_subkey, cfg.swarm.progress_ttl,
                                  fingerprint=fingerprint, settings=settings, reachability=node.reachability.mode,
                                  device=describe_device(self.inner.device), ranks=self.island.world_size)
-        self.view = PeerView(status, display, tokens_per_sample=cfg.data.seq_len, idle_phase=self.idle_phase)
+        # a sample of the CLI's runs is a sequence of data.seq_len tokens; a library peer's samples are its own
+        self.view = PeerView(status, display, tokens_per_sample=cfg.data.seq_len if data is not None else 1,
+                             idle_phase=self.idle_phase)
         self.progress = SwarmProgress(node.dht, cfg.run.name, cfg.swarm.progress_ttl, node.identity.record_subkey,
                                       fingerprint, node.reachability.mode,
                                       answering=functools.partial(answering, node.dht))
@@ -209,8 +234,9 @@ class RunMember(StateLoading, Checkpointing):
                     "checkpoint" if self.restored else "fresh")
 
     def _shard_claim(self) -> Optional[int]:
-        """The data shard its status record names: none when the data is not sharded (it reads all of it)."""
-        return self.data_shard if self.data.num_shards > 1 else None
+        """The data shard its status record names: none when the data is not sharded (it reads all of it), or
+        is the user's own (a library peer's loop reads its data)."""
+        return self.data_shard if self.data is not None and self.data.num_shards > 1 else None
 
     def _evaluate_global(self) -> None:
         """θ_global's held-out loss when it is due (p2p_diloco.train.heldout): an ``eval`` metrics record, and
