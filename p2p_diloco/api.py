@@ -276,6 +276,7 @@ class DiLoCo:
                                    micro_batch_size=self._parts["micro_batch_size"],
                                    trusted_peers=peer_ids_of(self.initial_peers), island=self._parts["island"],
                                    heldout=self._parts["heldout"], inner=self._inner_steps, fragments=self.fragments)
+            self.peer.override_hint = "ignore_other_settings=True"
             if self._pending_state is not None:
                 self._restore(self._pending_state)
         except StoreError as e:  # a checkpoint store that fsspec cannot open

@@ -80,6 +80,8 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
     """One training peer: the driver of its outer steps (see the module), a :class:`~p2p_diloco.train.member.RunMember`
     constructed with the same arguments."""
 
+    override_hint = "--ignore-other-settings"  # how its user trains on other settings anyway (the library: a keyword)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._sync_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outer-sync")
@@ -152,7 +154,7 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
         if mismatch is None:
             return
         if not ignore_other_settings:
-            raise RunSettingsMismatch(f"{mismatch} (--ignore-other-settings trains anyway)")
+            raise RunSettingsMismatch(f"{mismatch} ({self.override_hint} trains anyway)")
         logger.warning("training anyway (--ignore-other-settings): %s", mismatch)
 
     def _open_data(self, statuses: dict) -> None:

@@ -1,0 +1,135 @@
+"""The library (issue 45): p2p_diloco.DiLoCo around training loops the CLI cannot run, in real swarms on loopback.
+
+The peers are the shipped examples (examples/plain_loop.py, an MLP in a plain PyTorch loop; examples/trainer_script.py,
+the same MLP under a transformers Trainer with DiLoCoCallback), each a process of its own; a test's own DiLoCo runs
+in the test's process and is stopped by it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import p2p_diloco
+from p2p_diloco.process_tree import descendant_pids, is_running, without_torch_shm_manager
+from tests.swarm_helpers import events, hashes_by_step, last_step, outer_steps, start_bootstrap, timeline, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def start_example(processes, name: str, script: str, maddr: str, tmp_path: Path, *extra: str) -> Path:
+    metrics = tmp_path / f"{name}.jsonl"
+    processes.start(name, "--initial-peers", maddr, "--metrics-file", str(metrics), *extra,
+                    module=f"examples.{script}")
+    return metrics
+
+
+def assert_one_history(metrics_files: list[Path]) -> None:
+    for step, hashes in hashes_by_step(metrics_files).items():
+        assert len(hashes) == 1, f"peers disagree after outer step {step}: {hashes}"
+
+
+class OtherMLP(nn.Module):
+    """Not the examples' model: other parameter shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(16, 8)
+
+
+def leave_by_ctrl_c(processes, names: list[str]) -> None:
+    """SIGINT (Ctrl+C) to each: the loop's KeyboardInterrupt leaves the `with` block, which leaves the swarm
+    (its metrics say "exit")."""
+    procs = [p for p in processes.procs if p.name in names]
+    for proc in procs:
+        proc.send_signal(signal.SIGINT)
+    for proc in procs:
+        proc.wait(60)
+
+
+def test_plain_loops_average_every_outer_step_and_a_late_peer_loads_the_state(processes, tmp_path):
+    maddr = start_bootstrap(processes)
+    common = ("--outer-steps", "1000000", "--sync-every", "20")  # until stopped
+    first = [start_example(processes, f"loop{i}", "plain_loop", maddr, tmp_path, *common, "--data-seed", str(i),
+                           "--wait-for-peers", "2") for i in range(2)]
+    wait_until(lambda: all(last_step(m) >= 1 for m in first), 120, "outer step 1 on both plain loops")
+    late = start_example(processes, "late", "plain_loop", maddr, tmp_path, *common, "--data-seed", "2")
+
+    # a model of other shapes is refused in one line, before it trains
+    model = OtherMLP()
+    with pytest.raises(p2p_diloco.DiLoCoError) as refused:
+        with p2p_diloco.DiLoCo(model, torch.optim.AdamW(model.parameters()), run="plain-loop", initial_peers=[maddr],
+                               host="127.0.0.1", sync_every=20):
+            pytest.fail("a peer of other settings joined the run")
+    message = str(refused.value)
+    assert "\n" not in message and "is trained with other settings" in message, message
+    assert "model.parameters_sha256" in message and "ignore_other_settings=True" in message, message
+
+    wait_until(lambda: events(late, "state_loaded") and last_step(late) >= events(late, "state_loaded")[0]["outer_step"]
+               + 3, 120, "three outer steps of the late peer after it loaded the run's state")
+    files = [*first, late]
+    averaged_until = min(last_step(m) for m in files)  # after this, a peer may be alone as the others leave
+    leave_by_ctrl_c(processes, ["loop0", "loop1", "late"])
+    for metrics in files:
+        assert events(metrics, "exit"), f"{metrics.name}: no clean leave on Ctrl+C"
+    assert_one_history(files)
+    for metrics in first:  # the two averaged at every outer step, each in a group of two or more
+        records = [r for r in outer_steps(metrics) if r["outer_step"] <= averaged_until]
+        assert [r["outer_step"] for r in records] == list(range(1, averaged_until + 1)), timeline(metrics)
+        assert all(r["group_size"] >= 2 for r in records), timeline(metrics)
+    loaded = events(late, "state_loaded")[0]["outer_step"]
+    assert loaded >= 1, timeline(late)  # it joined by downloading the run's state, not from outer step 0
+    joined = [r for r in outer_steps(late) if r["outer_step"] <= averaged_until]
+    assert joined and all(r["group_size"] >= 2 for r in joined), timeline(late)
+
+
+def test_a_trainer_with_the_callback_and_a_plain_loop_average_together(processes, tmp_path):
+    maddr = start_bootstrap(processes)
+    common = ("--outer-steps", "4", "--sync-every", "20", "--wait-for-peers", "2")
+    files = [start_example(processes, "trainer", "trainer_script", maddr, tmp_path, *common, "--data-seed", "0"),
+             start_example(processes, "loop", "plain_loop", maddr, tmp_path, *common, "--data-seed", "1")]
+    wait_until(lambda: all(last_step(m) >= 4 for m in files), 180, "outer step 4 on the Trainer and the loop")
+    assert_one_history(files)
+    for metrics in files:
+        assert all(r["group_size"] == 2 for r in outer_steps(metrics)), timeline(metrics)
+
+
+def own_processes() -> set[int]:
+    """The processes running under this one (zombies, exited but not yet reaped, do not count)."""
+    return {pid for pid in without_torch_shm_manager(descendant_pids(os.getpid())) if is_running(pid)}
+
+
+def test_leaving_the_with_block_mid_sync_exits_cleanly(processes, tmp_path):
+    """The sync runs beside the next inner steps (the default outer.sync_delay, 10 of them; the example's too, or
+    the two would not share a fingerprint): the loop leaves as soon as its Δ went to the sync, whose all-reduce
+    is then under way (or just done: either way the round is not over, and the leave must be clean)."""
+    maddr = start_bootstrap(processes)
+    other = start_example(processes, "other", "plain_loop", maddr, tmp_path, "--outer-steps", "1000000", "--sync-every",
+                          "20", "--wait-for-peers", "2")
+    before = own_processes()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    diloco = p2p_diloco.DiLoCo(model, optimizer, run="plain-loop", initial_peers=[maddr], host="127.0.0.1",
+                               sync_every=20, wait_for_peers=2)
+    with diloco:
+        assert diloco.peer_id and diloco.outer_step == 0
+        started = own_processes() - before
+        assert started, "the peer started no DHT or averager process"
+        for _ in range(20):  # the 20th step's Δ went to the sync, which runs while the loop takes its next steps
+            x = torch.randn(32, 16)
+            nn.functional.mse_loss(model(x), x[:, :4]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            diloco.step(samples=len(x))
+        assert diloco.outer_step == 0  # the round is not over: its outer step comes after an overlap step
+    assert diloco.node is None and diloco._driver is None
+    assert not (own_processes() & started), "processes of the peer outlived its with block"
+    with pytest.raises(p2p_diloco.DiLoCoError, match="left the swarm"):
+        diloco.step(samples=32)  # the peer has left: one line, not a hang
+    assert processes.procs[-1].poll() is None, "the other peer died with this one's leave"
