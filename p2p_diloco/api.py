@@ -276,7 +276,8 @@ class DiLoCo:
                                    micro_batch_size=self._parts["micro_batch_size"],
                                    trusted_peers=peer_ids_of(self.initial_peers), island=self._parts["island"],
                                    heldout=self._parts["heldout"], inner=self._inner_steps, fragments=self.fragments)
-            self.peer.override_hint = "ignore_other_settings=True"
+            if self._loop is not None:
+                self.peer.override_hint = "ignore_other_settings=True"  # a keyword here, not the CLI's flag
             if self._pending_state is not None:
                 self._restore(self._pending_state)
         except StoreError as e:  # a checkpoint store that fsspec cannot open
@@ -359,7 +360,8 @@ class DiLoCo:
             self._metrics.close()
             self._metrics = None
         if self.node is not None:  # the peer's leave stopped its averager; the DHT, and whatever is left, now
-            shutdown_dht(self.node.dht, keep=self._children_before)
+            # a library peer's caller may have processes of its own; the CLI's process stops every child it has
+            shutdown_dht(self.node.dht, keep=self._children_before if self._loop is not None else ())
             self.node = None
 
     # ----- checkpoints ----------------------------------------------------------------------------

@@ -323,17 +323,18 @@ def _shards(island) -> int:
 
 
 def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
-    """A peer, alone or as rank 0 of `island`, from its config to its exit status."""
+    """A peer, alone or as rank 0 of `island`, from its config to its exit status: it builds the model, its data
+    and its inner trainer, then trains through :class:`p2p_diloco.DiLoCo`, as a library user's loop does."""
+    from p2p_diloco.api import DiLoCo, DiLoCoError
     from p2p_diloco.config import ConfigError, check_member, settings_fingerprint
     from p2p_diloco.metrics import MetricsWriter
     from p2p_diloco.process_tree import children_exit_with_this_process
     from p2p_diloco.swarm.identity import Identity, IdentityError
-    from p2p_diloco.swarm.node import NodeAddressError, check_listen_address, peer_ids_of, start_run_node
+    from p2p_diloco.swarm.node import check_listen_address
     from p2p_diloco.train.data import DataError
     from p2p_diloco.train.checkpoint import check_checkpoint_settings
-    from p2p_diloco.sync.state_store import StoreError
     from p2p_diloco.train.catch_up import NoStateSource
-    from p2p_diloco.train.diloco import DiLoCoPeer, RunSettingsMismatch
+    from p2p_diloco.train.diloco import RunSettingsMismatch
     from p2p_diloco.train.display import InnerProgress
     from p2p_diloco.train.island import IslandBroken, IslandLead
     from p2p_diloco.train.memory import MemoryFitError
@@ -361,49 +362,49 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
     if cfg.swarm.checkpoint_dir:
         _save_export_assets(cfg, model.config, peer_data.data.tokenizer, settings_fingerprint(settings))
     children_exit_with_this_process()
-    try:
-        node = start_run_node(cfg.run.name, options.host, options.port, identity, options.announce_ip, initial_peers,
-                              cfg.run.allowed_peers)
-    except (NodeAddressError, IdentityError, ConnectionError) as e:  # port or identity in use: EXIT_USAGE
-        metrics.close()
-        _stop_island(island, str(e))
-        return fail(str(e), EXIT_UNREACHABLE if isinstance(e, ConnectionError) else EXIT_USAGE)
-    dht = node.dht
+    why = " (under torchrun: one of this island's ranks stopped, or torchrun was stopped)" if island else ""
+    # the model, data and inner trainer built here; the run's bootstrap nodes are its keepers (DiLoCo trusts them)
+    diloco = DiLoCo(model, None, config=cfg, initial_peers=initial_peers, host=options.host, port=options.port,
+                    announce_ip=options.announce_ip, identity=identity, wait_for_peers=options.wait_for_peers,
+                    ignore_other_settings=options.ignore_other_settings, data=peer_data, settings=settings,
+                    metrics=metrics, display=InnerProgress(), island=lead, heldout=heldout[:cfg.eval.sequences],
+                    micro_batch_size=micro_batch_size, stop_event=install_stop_handlers(why))
     error: Optional[tuple[str, int]] = None
     try:
-        print_maddrs(dht, prefix="peer reachable at ")
-        summary = node.reachability.summary(options.port)
-        print(summary, flush=True)
-        logger.info("run %r, settings fingerprint %s", cfg.run.name, settings_fingerprint(settings)[:16])
-        metrics.write("reachability", reachability=node.reachability.mode, detail=node.reachability.detail,
-                      reduces=node.reachability.can_reduce, summary=summary)
-        why = " (under torchrun: one of this island's ranks stopped, or torchrun was stopped)" if island else ""
         try:
-            # the run's bootstrap nodes are its keepers: their word on the run's state counts like a groupmate's
-            trainer = DiLoCoPeer(cfg, model, peer_data, node, settings, metrics, stop_event=install_stop_handlers(why),
-                                 display=InnerProgress(), micro_batch_size=micro_batch_size,
-                                 trusted_peers=peer_ids_of(initial_peers), island=lead,
-                                 heldout=heldout[:cfg.eval.sequences])
-        except StoreError as e:  # a checkpoint store URL that fsspec cannot open
-            trainer, error = None, (str(e), EXIT_USAGE)
-        try:
-            if trainer is not None:
-                trainer.run(options.max_outer_steps, options.wait_for_peers, options.ignore_other_settings)
-        except RunSettingsMismatch as e:
-            error = (str(e), EXIT_OTHER_SETTINGS)
-        except NoStateSource as e:
-            error = (str(e), EXIT_NO_STATE)
-        except (DataError, MemoryFitError) as e:  # out of memory at one sequence per pass; any other OOM: a traceback
-            error = (str(e), EXIT_USAGE)
-        except IslandBroken as e:
-            error = (str(e), EXIT_ISLAND_BROKEN)
+            diloco.start()
+        except DiLoCoError as e:  # port or identity in use, a store fsspec cannot open: EXIT_USAGE
+            unreachable = isinstance(e.__cause__, ConnectionError)
+            error = (str(e), EXIT_UNREACHABLE if unreachable else EXIT_USAGE)
+        if error is None:
+            _say_reachability(diloco, options, metrics)
+            diloco.run(options.max_outer_steps)
+    except RunSettingsMismatch as e:
+        error = (str(e), EXIT_OTHER_SETTINGS)
+    except NoStateSource as e:
+        error = (str(e), EXIT_NO_STATE)
+    except (DataError, MemoryFitError) as e:  # out of memory at one sequence per pass; any other OOM: a traceback
+        error = (str(e), EXIT_USAGE)
+    except IslandBroken as e:
+        error = (str(e), EXIT_ISLAND_BROKEN)
     finally:
         _stop_island(island, error[0] if error else "the peer stopped")
-        metrics.close()  # before shutdown_dht stops this process's children: wandb's service is one
-        shutdown_dht(dht)
+        metrics.close()  # before the DHT stops this process's children: wandb's service is one
+        diloco.close()
     logger.info("peer stopped")
     skip_final_garbage_collection()
     return fail(*error) if error else EXIT_OK  # the error is the last line the user sees
+
+
+def _say_reachability(diloco, options: PeerOptions, metrics) -> None:
+    """Where others reach this peer, and whether they can (its first lines on stdout), and the same in its metrics."""
+    print_maddrs(diloco.node.dht, prefix="peer reachable at ")
+    reachability = diloco.node.reachability
+    summary = reachability.summary(options.port)
+    print(summary, flush=True)
+    logger.info("run %r, settings fingerprint %s", diloco.config.run.name, diloco.fingerprint[:16])
+    metrics.write("reachability", reachability=reachability.mode, detail=reachability.detail,
+                  reduces=reachability.can_reduce, summary=summary)
 
 
 def _stop_island(island, reason: str) -> None:

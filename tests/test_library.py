@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ from torch import nn
 
 import p2p_diloco
 from p2p_diloco.process_tree import descendant_pids, is_running, without_torch_shm_manager
-from tests.swarm_helpers import events, hashes_by_step, last_step, outer_steps, start_bootstrap, timeline, wait_until
+from tests.swarm_helpers import (events, hashes_by_step, last_step, outer_steps, peer_id_of, start_bootstrap, timeline,
+                                 wait_until)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -73,6 +76,12 @@ def test_plain_loops_average_every_outer_step_and_a_late_peer_loads_the_state(pr
     wait_until(lambda: events(late, "state_loaded") and last_step(late) >= events(late, "state_loaded")[0]["outer_step"]
                + 3, 120, "three outer steps of the late peer after it loaded the run's state")
     files = [*first, late]
+    # library peers publish status records: `p2p-diloco status` lists the three, with the run's model as they see it
+    shown = subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "status", "--initial-peers", maddr, "--run",
+                            "plain-loop", "--json"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    for metrics in files:
+        assert peer_id_of(metrics) in shown.stdout, (metrics.name, shown.stdout[:2000])
     averaged_until = min(last_step(m) for m in files)  # after this, a peer may be alone as the others leave
     leave_by_ctrl_c(processes, ["loop0", "loop1", "late"])
     for metrics in files:
