@@ -142,3 +142,47 @@ def test_leaving_the_with_block_mid_sync_exits_cleanly(processes, tmp_path):
     with pytest.raises(p2p_diloco.DiLoCoError, match="left the swarm"):
         diloco.step(samples=32)  # the peer has left: one line, not a hang
     assert processes.procs[-1].poll() is None, "the other peer died with this one's leave"
+
+
+def train_until(diloco, model, optimizer, outer_step: int, max_inner_steps: int = 2000) -> None:
+    for _ in range(max_inner_steps):
+        if diloco.outer_step >= outer_step:
+            return
+        x = torch.randn(8, 16)
+        nn.functional.mse_loss(model(x), x[:, :4]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        diloco.step(samples=len(x))
+    pytest.fail(f"outer step {outer_step} not reached in {max_inner_steps} inner steps (at {diloco.outer_step})")
+
+
+def test_a_saved_state_resumes_the_peer_at_its_outer_step(tmp_path):
+    """state_dict() after two outer steps; a new peer on a freshly built model loads it and goes on from there
+    (alone in its run: no bootstrap node, it starts the DHT)."""
+    def fresh():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    model, optimizer = fresh()
+    with p2p_diloco.DiLoCo(model, optimizer, run="resume", host="127.0.0.1", sync_every=5) as diloco:
+        train_until(diloco, model, optimizer, 2)
+        state = diloco.state_dict()
+        saved_hash = diloco.global_sha256
+    assert state["outer_step"] == 2 and state["sha256"] == saved_hash
+    restored = torch.load(_saved(tmp_path, state), weights_only=True)  # it survives torch.save/torch.load
+
+    model, optimizer = fresh()
+    diloco = p2p_diloco.DiLoCo(model, optimizer, run="resume", host="127.0.0.1", sync_every=5)
+    diloco.load_state_dict(restored)
+    with diloco:
+        assert diloco.outer_step == 2 and diloco.global_sha256 == saved_hash
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), state["local"]["params"]))  # θ_local too
+        train_until(diloco, model, optimizer, 3)
+    assert diloco.outer_step == 3 and diloco.global_sha256 != saved_hash
+
+
+def _saved(tmp_path: Path, state: dict) -> Path:
+    path = tmp_path / "diloco.pt"
+    torch.save(state, path)
+    return path

@@ -131,3 +131,14 @@ def test_the_hand_over_alternates_the_two_threads_and_ends_on_stop():
     loop.fast_forward_schedule(10)
     loop.fast_forward_schedule(5)  # never back
     assert loop.steps_done == 10 and loop.lr == 0.1
+
+
+def test_a_manifest_gives_the_run_its_bootstrap_nodes_and_sync_settings():
+    model = mlp()
+    diloco = p2p_diloco.DiLoCo.from_manifest("demo", model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                             outer={"lr": 0.5})
+    assert diloco.config.run.name == "demo" and diloco.config.inner.steps_per_outer == 25
+    assert diloco.initial_peers and diloco.initial_peers[0].endswith("/p2p/QmUdbHDXRitPagPZ6sLk9aJYp7nwtCYcCkEVC2dy1SDqft")
+    assert diloco.config.outer.lr == 0.5  # a keyword over the manifest's value
+    with pytest.raises(p2p_diloco.DiLoCoError, match="no-such-run"):
+        p2p_diloco.DiLoCo.from_manifest("no-such-run", model, torch.optim.SGD(model.parameters(), lr=0.1))
