@@ -253,7 +253,7 @@ class DiLoCo:
         if self.node is not None:
             raise DiLoCoError("DiLoCo: this peer has already started")
         from p2p_diloco.metrics import MetricsWriter
-        from p2p_diloco.process_tree import descendant_pids
+        from p2p_diloco.process_tree import children_exit_with_this_process, descendant_pids
         from p2p_diloco.swarm.identity import Identity, IdentityError
         from p2p_diloco.swarm.node import NodeAddressError, check_listen_address, peer_ids_of, start_run_node
         from p2p_diloco.sync.state_store import StoreError
@@ -263,6 +263,9 @@ class DiLoCo:
             identity = self.identity if isinstance(self.identity, Identity) else Identity.load_or_create(
                 None if self.identity is None else str(self.identity))
             check_listen_address(self.host, self.port)
+            # hivemind's processes (the DHT, p2pd, the averager) exit with this one however it dies: a loop killed
+            # by SIGTERM before it left the `with` block left them running (tests/test_library.py, once)
+            children_exit_with_this_process()
             self._children_before = set(descendant_pids(os.getpid()))
             self.node = start_run_node(self.config.run.name, self.host, self.port, identity, self.announce_ip,
                                        self.initial_peers, self.config.run.allowed_peers)

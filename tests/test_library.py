@@ -103,6 +103,10 @@ def test_a_trainer_with_the_callback_and_a_plain_loop_average_together(processes
     files = [start_example(processes, "trainer", "trainer_script", maddr, tmp_path, *common, "--data-seed", "0"),
              start_example(processes, "loop", "plain_loop", maddr, tmp_path, *common, "--data-seed", "1")]
     wait_until(lambda: all(last_step(m) >= 4 for m in files), 180, "outer step 4 on the Trainer and the loop")
+    for proc in processes.procs[1:]:  # each leaves at outer step 4 by itself, through the `with` block or the callback
+        assert proc.wait(60) == 0, f"{proc.name} exited with {proc.returncode}"
+    for metrics in files:
+        assert events(metrics, "exit"), f"{metrics.name}: no clean leave"
     assert_one_history(files)
     for metrics in files:
         assert all(r["group_size"] == 2 for r in outer_steps(metrics)), timeline(metrics)
