@@ -166,9 +166,11 @@ def test_a_peer_leaves_on_sigterm_the_bootstrap_node_dies_and_a_newcomer_joins_t
     assert_consistent([*metrics, late])
 
 
-def started(processes, name: str, config, maddr: str):
-    """(the process, its metrics file) of a peer in a session of its own that pauses in its second all-reduce."""
-    metrics = start_peer(processes, name, config, maddr, faults=PAUSE_IN_SECOND_ROUND, new_session=True)
+def started(processes, name: str, config, maddr: str, peers: int):
+    """(the process, its metrics file) of a peer in a session of its own that pauses in its second all-reduce, one
+    of `peers` that start together (--wait-for-peers)."""
+    metrics = start_peer(processes, name, config, maddr, "--wait-for-peers", str(peers), faults=PAUSE_IN_SECOND_ROUND,
+                         new_session=True)
     return proc(processes, name), metrics
 
 
@@ -182,41 +184,49 @@ def signal_unit(pid: int, sig: signal.Signals) -> None:
 
 
 def test_stop_signal_mid_sync_to_peer_group_or_unit(processes, tmp_path):
+    """SIGTERM and SIGINT, each sent to a peer alone, to its process group and to every process of its unit (as
+    systemd stops a service): every peer leaves cleanly with its sync in flight. The six peers share one swarm and
+    are signalled at once, mid all-reduce (one swarm, not one per signal: a second swarm's start-up cost CI ~20 s and
+    checked nothing the first did not). Checked for each: exit status 0, its children gone, its metrics end with
+    its exit, it alone handled the signal (one "leaving the swarm" line), no AttributeError from hivemind's
+    shutdown mid-round."""
     # the sync overlaps inner steps (the shipped default); each peer holds back its reduced parts for
     # 4 s in its second all-reduce, and is signalled then: mid all-reduce, with its sync in flight
     config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, outer={"sync_delay": 3}, swarm=FAST_TIMEOUTS)
     maddr = start_bootstrap(processes)
     signal_to = {"pid": os.kill, "group": os.killpg, "unit": signal_unit}
+    signals = (signal.SIGTERM, signal.SIGINT)
+    # each leads a process group of its own, as under a service manager or a shell; they start together, so that
+    # their second all-reduce is one round for all six
+    peers = {(sig, how): started(processes, f"{sig.name}-{how}", config, maddr, len(signals) * len(signal_to))
+             for sig in signals for how in signal_to}
+    # signalled when the last of them pauses: the whole group waits on its parts then
+    wait_until(lambda: all("pausing mid all-reduce" in processes.log(p.name) for p, _ in peers.values()), 180,
+               "the peers to pause mid all-reduce", poll_s=0.1)
+    children = {key: descendants(peer.pid) for key, (peer, _) in peers.items()}
+    assert all(children.values()), "a peer runs its DHT and averager processes and p2pd"
+    for (sig, how), (peer, _) in peers.items():
+        signal_to[how](peer.pid, sig)
+    sent = time.monotonic()
     exit_seconds = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):  # one group of peers each, stopped together as in the issue
-        # each leads a process group of its own, as under a service manager or a shell
-        peers = {how: started(processes, f"{sig.name}-{how}", config, maddr) for how in signal_to}
-        # signalled when the last of them pauses: the whole group waits on its parts then
-        wait_until(lambda: all("pausing mid all-reduce" in processes.log(p.name) for p, _ in peers.values()), 180,
-                   f"the {sig.name} peers to pause mid all-reduce", poll_s=0.1)
-        children = {how: descendants(peer.pid) for how, (peer, _) in peers.items()}
-        assert all(children.values()), "a peer runs its DHT and averager processes and p2pd"
-        for how, (peer, _) in peers.items():
-            signal_to[how](peer.pid, sig)
-        sent = time.monotonic()
 
-        def all_exited() -> bool:
-            for peer, _ in peers.values():
-                if peer.poll() is not None:
-                    exit_seconds.setdefault(peer.name, round(time.monotonic() - sent, 1))
-            return all(peer.poll() is not None for peer, _ in peers.values())
+    def all_exited() -> bool:
+        for peer, _ in peers.values():
+            if peer.poll() is not None:
+                exit_seconds.setdefault(peer.name, round(time.monotonic() - sent, 1))
+        return all(peer.poll() is not None for peer, _ in peers.values())
 
-        wait_until(all_exited, 30, f"the {sig.name} peers to exit", poll_s=0.05)  # a hang fails here
-        for how, (peer, metrics) in peers.items():
-            assert peer.returncode == 0, processes.log(peer.name)[-3000:]
-            # torch's shared-memory manager exits as its clients do, a moment after: give it that moment
-            wait_until(lambda: not any(is_running(pid) for pid in children[how]), 5,
-                       f"the children {children[how]} of {peer.name} to exit", poll_s=0.1)
-            assert read_metrics(metrics)[-1]["event"] == "exit"
-            # the peer alone handled it: no child of it took the signal for its own
-            assert processes.log(peer.name).count(f"received {sig.name}: leaving the swarm") == 1
-            # hivemind's own shutdown mid-round raised one (finalize called on a future, not on its runner)
-            assert "AttributeError" not in processes.log(peer.name), processes.log(peer.name)[-3000:]
+    wait_until(all_exited, 30, "the signalled peers to exit", poll_s=0.05)  # a hang fails here
+    for (sig, how), (peer, metrics) in peers.items():
+        assert peer.returncode == 0, processes.log(peer.name)[-3000:]
+        # torch's shared-memory manager exits as its clients do, a moment after: give it that moment
+        wait_until(lambda: not any(is_running(pid) for pid in children[sig, how]), 5,
+                   f"the children {children[sig, how]} of {peer.name} to exit", poll_s=0.1)
+        assert read_metrics(metrics)[-1]["event"] == "exit"
+        # the peer alone handled it: no child of it took the signal for its own
+        assert processes.log(peer.name).count(f"received {sig.name}: leaving the swarm") == 1
+        # hivemind's own shutdown mid-round raised one (finalize called on a future, not on its runner)
+        assert "AttributeError" not in processes.log(peer.name), processes.log(peer.name)[-3000:]
     print("seconds from the signal to the exit:", exit_seconds)
 
 
