@@ -397,7 +397,10 @@ def join_groups_as(run, variants, args, stop: threading.Event) -> None:
                 control = averager.step(gather=as_the_swarm(gather, step, sha256), weight=1.0, wait=False,
                                         timeout=cfg.swarm.matchmaking_time * 3, allow_retries=False)
                 try:
-                    control.result(timeout=cfg.swarm.matchmaking_time * 3 + cfg.swarm.allreduce_timeout)
+                    # and never past the identity's time: a lane whose round fell silent all the same sat in it for
+                    # this whole bound (36 s of the test's 60, in one run), long after its identity's 10 s
+                    bound = cfg.swarm.matchmaking_time * 3 + cfg.swarm.allreduce_timeout
+                    control.result(timeout=max(0.5, min(bound, deadline - time.monotonic())))
                 except Exception as e:  # rejected, timed out, or the group broke up: try again
                     control.cancel()
                     say(f"round failed: {type(e).__name__}")

@@ -132,6 +132,12 @@ def hashes_by_step(metrics_files: list[Path]) -> dict[int, set[str]]:
 
 
 FAST_TIMEOUTS = {"next_chunk_timeout": 3.0, "round_wait_timeout": 15.0, "progress_ttl": 12.0}
+# P2P_DILOCO_FAULTS for the peers of a swarm that only has to keep stepping while the test starts other processes
+# (strangers, joiners, `status`): 0.1 s of sleep per inner step, 1 s per outer step of the tiny run. At full speed
+# the tiny run's rounds (all-reduce, audits, records) keep its peers busy: 3 peers took 45 outer steps and 30 CPU
+# seconds in 20 s, 1.5 of CI's 2 cores, and the processes the test waited for started that much slower; idling,
+# 15 outer steps and 12 CPU seconds
+IDLING = "inner_step_delay=0.1"
 
 
 def swarm(processes: Processes, tmp_path: Path, n: int, faults_by_peer: dict | None = None, **sections):

@@ -17,7 +17,8 @@ from p2p_diloco.metrics import read_metrics
 from p2p_diloco.sync.state_transfer import TRANSFER_FAILED
 from tests.hostile import GROUPMATE_VARIANTS, STATE_VARIANTS
 from tests.swarm_helpers import (
-    assert_consistent, events, last_step, outer_steps, peer_id_of, start_peer, swarm, wait_for_steps, wait_until,
+    IDLING, assert_consistent, events, last_step, outer_steps, peer_id_of, start_peer, swarm, wait_for_steps,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(480)]
@@ -48,17 +49,30 @@ def keeps_stepping(processes, metrics, steps=3):
 def test_malformed_forged_and_lying_records_are_ignored_and_malformed_group_data_bans_its_sender(processes, tmp_path):
     """Two strangers in one swarm (to keep CI short; neither changes what the other is judged on): one writes
     malformed, forged and lying records, the other joins groups with malformed metadata or parts."""
-    maddr, config, metrics = swarm(processes, tmp_path, 3)
+    # the honest peers idle (swarm_helpers.IDLING) while the strangers start
+    maddr, config, metrics = swarm(processes, tmp_path, 3, dict.fromkeys(range(3), IDLING))
     wait_for_steps(metrics, 1)
     start_hostile(processes, "records", config, maddr)
-    # 4 identities in the swarm at a time (each still for 10 s): the 7 kinds in 2 turns, not 4 of 2 lanes
-    groupmate = start_hostile(processes, "groupmate", config, maddr, "--seconds-per-identity", "10", "--lanes", "4")
+    # every kind at once, one identity each for 10 s: one turn (4 lanes took two, 14 s more of CI; 2 lanes four)
+    groupmate = start_hostile(processes, "groupmate", config, maddr, "--seconds-per-identity", "10",
+                              "--lanes", str(len(GROUPMATE_VARIANTS)))
     wait_until(lambda: printed(processes, "hostile-records", r"(wrote records)"), 120, "the hostile records")
     (author,) = printed(processes, "hostile-records", r"records signed as (\w+)")
     wait_until(lambda: groupmate.poll() is not None, 300, "the hostile groupmate to try every kind of input")
-    identities = dict(printed(processes, "hostile-groupmate", r"identity (\w+) sends (.+)"))
-    assert sorted(identities.values()) == sorted(GROUPMATE_VARIANTS)
-    keeps_stepping(processes, metrics)
+    # `status` reads the records while the honest peers take their next steps (it reads; it changes nothing). Not
+    # sooner: a read while the groupmate's 7 nodes were up found none of the stranger's status records (once in 3
+    # runs; the nodes it asked need not hold them)
+    status = subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli", "status", "--initial-peers", maddr, "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        identities = dict(printed(processes, "hostile-groupmate", r"identity (\w+) sends (.+)"))
+        assert sorted(identities.values()) == sorted(GROUPMATE_VARIANTS)
+        keeps_stepping(processes, metrics)
+        stdout, stderr = status.communicate(timeout=120)
+    finally:
+        if status.poll() is None:
+            status.kill()
+            status.wait(10)
     logs = honest_logs(processes, 3)
     # the records: refused by the DHT validators of the honest nodes, each logged once with its author
     assert f"ignoring a malformed test_progress record from peer {author}" in logs
@@ -67,12 +81,11 @@ def test_malformed_forged_and_lying_records_are_ignored_and_malformed_group_data
     assert f"ignoring the progress of a peer with other run settings from peer {author}" in logs
     assert f"setting aside the record of peer {author}: it claims outer step 1000000" in logs
     # `status` shows the honest peers, and skips the stranger's malformed and forged status records
-    result = subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "status", "--initial-peers", maddr, "--json"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    (run,) = json.loads(result.stdout)["runs"]  # the malformed run announcement is no run
-    assert run["run"] == "test" and {p["peer_id"] for p in run["peers"]} == {peer_id_of(m) for m in metrics}
-    assert f"ignoring a malformed status record from peer {author}" in result.stderr
+    assert status.returncode == 0, stderr
+    (run,) = json.loads(stdout)["runs"]  # the malformed run announcement is no run
+    assert run["run"] == "test" and {p["peer_id"] for p in run["peers"]} == {peer_id_of(m) for m in metrics}, \
+        (run, stderr[-3000:])
+    assert f"ignoring a malformed status record from peer {author}" in stderr, stderr[-3000:]
     # the groupmate: each kind of malformed input bans the identity that sent it
     banned = {kind for peer, kind in identities.items()
               if re.search(f"ignoring (malformed group metadata|a malformed all-reduce part|a malformed averaged "
@@ -85,7 +98,8 @@ def test_malformed_forged_and_lying_records_are_ignored_and_malformed_group_data
 def test_malformed_and_poisoned_states_from_a_donor_are_refused(processes, tmp_path):
     """One swarm for eight hostile donors: seven serve one malformed or unvouched state each, the eighth a
     well-formed poisoned state it claims one step ahead of the swarm (p2p_diloco/train/state_check.py)."""
-    maddr, config, metrics = swarm(processes, tmp_path, 2)
+    # the honest peers idle (swarm_helpers.IDLING) while the strangers and the joiners start
+    maddr, config, metrics = swarm(processes, tmp_path, 2, dict.fromkeys(range(2), IDLING))
     # the seven start with the swarm (they claim no outer step: a peer only asks them when it loads the state), and
     # so does the eighth, which keeps its claim one step ahead of the honest peers from their first step on
     hostile = start_hostile(processes, "donor", config, maddr)
