@@ -22,7 +22,7 @@ from p2p_diloco.process_tree import descendant_pids
 from tests import netns
 from tests.conftest import TINY
 from tests.swarm_helpers import (
-    FAST_TIMEOUTS, assert_consistent, last_step, outer_steps, peer_id_of, proc, start_bootstrap, start_peer,
+    FAST_TIMEOUTS, IDLING, assert_consistent, last_step, outer_steps, peer_id_of, proc, start_bootstrap, start_peer,
     tiny_config_file, wait_until,
 )
 
@@ -47,7 +47,7 @@ def start_island(processes, name, config, maddr, host, *extra) -> "os.PathLike":
     processes.start(name, "--standalone", "--nproc-per-node", "2", "-m", "p2p_diloco.cli", "join", str(config),
                     "--state-dir", str(processes.log_dir / "island-state"), "--host", host.ip, "--initial-peers",
                     maddr, "--metrics-file", str(metrics), *extra, module="torch.distributed.run",
-                    netns=host.namespace, env={"P2P_DILOCO_CHECK_ISLAND": "1"})
+                    netns=host.namespace, env={"P2P_DILOCO_CHECK_ISLAND": "1", "P2P_DILOCO_FAULTS": IDLING})
     return metrics
 
 
@@ -111,7 +111,9 @@ def test_an_island_of_two_ranks_trains_with_a_single_peer_fails_as_one_and_resum
     topology, host = host
     config = tiny_config_file(tmp_path, inner={"steps_per_outer": 10}, swarm=FAST_TIMEOUTS)
     maddr = start_bootstrap(processes, host)
-    single = start_peer(processes, "single", config, maddr, "--wait-for-peers", "2", host=host)
+    # both idle (swarm_helpers.IDLING): at full speed the single peer, alone while the island restarts, kept a core
+    # busy, and torchrun's three processes start on CI's other
+    single = start_peer(processes, "single", config, maddr, "--wait-for-peers", "2", host=host, faults=IDLING)
     island = start_island(processes, "island", config, maddr, host, "--wait-for-peers", "2")
     wait_until(running_until(processes, "island", lambda: last_step(island) >= 3), 240, "3 outer steps of the island")
 

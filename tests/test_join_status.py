@@ -24,7 +24,7 @@ from p2p_diloco.manifest import lock_state_dir
 from tests.cli_run import invoke_cli
 from tests.conftest import REPO
 from tests.swarm_helpers import (
-    FAST_TIMEOUTS, events, last_step, proc, start_bootstrap, start_peer, swarm, tiny_config_file,
+    FAST_TIMEOUTS, IDLING, events, last_step, proc, start_bootstrap, start_peer, swarm, tiny_config_file,
     wait_for_steps, wait_until,
 )
 
@@ -83,7 +83,8 @@ def test_join_refuses_a_state_directory_in_use_and_an_unknown_manifest(processes
 
 
 def test_a_peer_with_other_settings_is_told_which_and_exits(processes, tmp_path):
-    maddr, _, metrics = swarm(processes, tmp_path, 1)
+    # alone, the run's peer steps as fast as it can (one core of CI's two) while the newcomers start: it idles
+    maddr, _, metrics = swarm(processes, tmp_path, 1, {0: IDLING})
     wait_for_steps(metrics, 1)
     other = tiny_config_file(tmp_path / "other", inner={"steps_per_outer": 10, "lr": 5e-3}, swarm=FAST_TIMEOUTS)
     newcomer = start_peer(processes, "newcomer", other, maddr)

@@ -28,7 +28,7 @@ from p2p_diloco.run_page.render import render_main
 from tests.conftest import REPO
 from tests.hostile import MARKUP
 from tests.swarm_helpers import (
-    FAST_TIMEOUTS, LOOPBACK, events, last_step, peer_id_of, start_bootstrap, start_peer, tiny_config_file,
+    FAST_TIMEOUTS, IDLING, LOOPBACK, events, last_step, peer_id_of, start_bootstrap, start_peer, tiny_config_file,
     wait_for_steps, wait_until,
 )
 
@@ -187,7 +187,10 @@ def test_status_as_a_table_as_json_and_as_a_page_in_a_browser(processes, tmp_pat
     # before the other took 4 steps alone, the keeper followed it to step 1 only, and the other, holding step 1 with
     # the keeper, would not jump to step 4 on one voucher, while the first never averaged alone again (CI, once:
     # the simulation's open defect of a lone peer ahead)
-    metrics = [start_peer(processes, f"peer{i}", config, maddr, "--wait-for-peers", "2") for i in range(2)]
+    # (the peers idle: at full speed their rounds and the keeper's downloads of each step kept CI's cores busy while
+    # `status`, Chromium and the stranger started)
+    metrics = [start_peer(processes, f"peer{i}", config, maddr, "--wait-for-peers", "2", faults=IDLING)
+               for i in range(2)]
     served = processes.start("status-serve", "status", "--initial-peers", maddr, "--serve", "--port", "0",
                              "--refresh", "1")
     wait_for_steps(metrics, 2)
