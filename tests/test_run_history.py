@@ -19,8 +19,9 @@ from tests.swarm_helpers import (
 from tests.test_join_status import cli
 
 RUN_STEPS = 3
-# records of peers that left must outlive the newcomers' start-up (FAST_TIMEOUTS' 12 s is for crashes)
-SWARM = {**FAST_TIMEOUTS, "progress_ttl": 90.0, "state_wait_timeout": 10.0}
+# records of peers that left must outlive the newcomers' start-up (FAST_TIMEOUTS' 12 s is for crashes); a newcomer
+# with nothing to load from tries again once (train/catch_up.py polls every 5 s) before it gives up
+SWARM = {**FAST_TIMEOUTS, "progress_ttl": 90.0, "state_wait_timeout": 5.0}
 EXIT_NO_STATE = 5
 
 
