@@ -102,7 +102,10 @@ def every_codec_case(tmp_path_factory) -> dict:
     generator = torch.Generator().manual_seed(0)
     inputs = [[torch.randn(s, generator=generator) * 1e-2 for s in SHAPES] for _ in range(peers)]
     samples = [16, 48, 160]
-    results = run_cases(list(CODECS), {"rounds": [{"inputs": inputs, "starts": [START] * peers}], "samples": samples},
+    # planned, as a swarm of peers that can dial each other plans its rounds (p2p_diloco.sync.membership): the
+    # leader starts once its members joined, where hivemind's matchmaking gathers for matchmaking_time (2 s a codec)
+    round_ = {"inputs": inputs, "starts": [START] * peers, "leaders": [0, 1, 2]}
+    results = run_cases(list(CODECS), {"rounds": [round_], "samples": samples},
                         tmp_path_factory.mktemp("every_codec"), timeout_s=CASE_TIMEOUT_S + 30 * len(CODECS))
     return {"inputs": inputs, "samples": samples, "results": results}
 

@@ -262,8 +262,10 @@ CASE_SHAPES = [torch.Size([512, 512])] * 3
 def case_inputs(peers: int = 3) -> dict:
     generator = torch.Generator().manual_seed(0)
     inputs = [[torch.randn(s, generator=generator) * 1e-2 for s in CASE_SHAPES] for _ in range(peers)]
-    return {"rounds": [{"inputs": inputs, "starts": [START] * peers}], "samples": [16, 48, 160],
-            "error_feedback": True}
+    # planned as a swarm of peers that dial each other plans its rounds, honest leaders first (peer 0 is the hostile
+    # reducer): the leader starts once its members joined, where hivemind's matchmaking gathers for 2 s a run
+    round_ = {"inputs": inputs, "starts": [START] * peers, "leaders": [*range(1, peers), 0]}
+    return {"rounds": [round_], "samples": [16, 48, 160], "error_feedback": True}
 
 
 # tests/hostile_peer.py's, peer 0 the hostile reducer
