@@ -90,16 +90,21 @@ class Processes:
         return (self.log_dir / f"{name}.log").read_text()
 
     def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)  # a frozen process cannot handle SIGTERM
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for proc in self.procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.kill(proc)
+        # the bootstrap nodes last, as a user stops a swarm: a leaving peer waits up to 6 s for the run's keeper to
+        # hold its last step (train/checkpointing.py HANDOVER_S), and a keeping bootstrap node stopped with it
+        # never does (the NAT keeper test's teardown spent those 6 s)
+        nodes = [proc for proc in self.procs if proc.name.startswith("bootstrap")]
+        for group in ([proc for proc in self.procs if proc not in nodes], nodes):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGCONT)  # a frozen process cannot handle SIGTERM
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            for proc in group:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.kill(proc)
         # torch's shared-memory manager frees a dead peer's /dev/shm segments within seconds: let it
         for pid in wait_gone(self.orphans, 10):
             try:
