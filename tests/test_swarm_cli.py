@@ -51,7 +51,8 @@ def test_three_peers_agree_after_every_outer_step_and_loss_falls(processes, tmp_
     assert max(losses_at[6]) < min(losses_at[1]) - 0.1, losses_at
 
 
-@pytest.mark.long  # CI: tests/test_join_status.py's peer on other settings, joiners in tests/test_arrivals.py
+@pytest.mark.long  # CI: tests/test_join_status.py's peer on other settings; a joiner that loads its run's state and
+# agrees with it in tests/test_hostile.py's donors' test
 def test_peers_with_other_settings_never_average_together_and_a_late_joiner_loads_its_runs_state(processes, tmp_path):
     first = tiny_config_file(tmp_path / "a", inner={"steps_per_outer": 10})
     second = tiny_config_file(tmp_path / "b", inner={"steps_per_outer": 10}, data={"max_documents": 30})
