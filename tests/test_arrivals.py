@@ -11,11 +11,9 @@ from p2p_diloco.metrics import read_metrics
 from tests.conftest import REPO
 from tests.swarm_helpers import assert_consistent, start_bootstrap, start_peer, timeline, wait_for_steps
 
-# CI: the arrivals in the simulation, tests/test_simulation.py::test_each_past_race_is_a_scenario_that_holds
-# [arrivals_2s_apart] (and [stall_at_step_2], [arrivals_1s_apart], [arrivals_together]: one state per step, no void
-# trap, six steps), and the update check's side of the stall in
-# tests/test_update_rule.py::test_a_lopsided_first_round_never_traps_the_run
-pytestmark = [pytest.mark.long, pytest.mark.swarm, pytest.mark.timeout(360)]
+# In the default suite although the simulation tries the same arrivals (tests/test_simulation.py, [arrivals_2s_apart],
+# [stall_at_step_2], ...): issue 42 asks for this run of real peers in CI, the demo run's own schedule end to end
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(360)]
 
 MAX_VOID_IN_A_ROW = 3
 
