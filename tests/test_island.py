@@ -97,10 +97,12 @@ def status_row(topology, host, maddr, peer_id: str) -> dict:
     rows: dict = {}
 
     def read() -> bool:
-        out = subprocess.run(topology.command(host, [sys.executable, "-m", "p2p_diloco.cli", "status",
-                                                     "--initial-peers", maddr, "--run", "test", "--json"]),
-                             capture_output=True, text=True, timeout=90, check=True).stdout
-        rows.update((row["peer_id"], row) for row in json.loads(out)["runs"][0]["peers"])
+        done = subprocess.run(topology.command(host, [sys.executable, "-m", "p2p_diloco.cli", "status",
+                                                      "--initial-peers", maddr, "--run", "test", "--json"]),
+                              capture_output=True, text=True, timeout=90)
+        # its one-line error if it fails (a full run once had exit status 3, could not join, and no line to show)
+        assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+        rows.update((row["peer_id"], row) for row in json.loads(done.stdout)["runs"][0]["peers"])
         return peer_id in rows
 
     wait_until(read, 120, f"the status record of {peer_id}")
