@@ -398,10 +398,7 @@ class DiLoCo:
     def _restore(self, state: Mapping[str, Any]) -> None:
         peer = self.peer
         try:
-            with peer._state_lock:
-                peer.global_model.load_state_tensors(state["global_state"], int(state["outer_step"]))
-                peer.local.load_state_dict(state["local"])
-                peer.inner.fast_forward_schedule(int(state.get("inner_steps", 0)))
+            peer._adopt_saved(state)
         except ValueError as e:
             raise DiLoCoError(f"DiLoCo.load_state_dict(): {e}") from None
         peer._after_state_change()

@@ -65,13 +65,8 @@ class Checkpointing:
             return False
         check_checkpoint_settings(self.checkpoint_dir, self.fingerprint, state)
         with self._state_lock:
-            self.global_model.load_state_tensors(state["global_state"], state["outer_step"])
-            if state.get("local") is not None:
-                self.local.load_state_dict(state["local"])
-            else:  # a checkpoint of an earlier version kept no θ_local: its data position is a round ahead
-                self.local.replace_with(self.global_model, self.schedule.fragments)
             self.island.load_optimizer(self.inner.optimizer, state["inner_optimizer"], int(state["inner_steps"]))
-            self.inner.fast_forward_schedule(state["inner_steps"])
+        self._adopt_saved(state)
         self.data_shard = state.get("data_shard")
         self._saved_data_state = checkpointed_stream_state(state, order_seed(self.cfg.run.seed, self.peer_id))
         if self.data_shard is not None and (self.data is None or not 0 <= self.data_shard < self.data.num_shards):
@@ -79,6 +74,18 @@ class Checkpointing:
                            "another shard from its start", self.data_shard, self.data.num_shards)
             self.data_shard, self._saved_data_state = None, None
         return True
+
+    def _adopt_saved(self, state: dict) -> None:
+        """θ_global and its outer step, θ_local with what it holds, and the count of inner steps of a saved state
+        (this member's checkpoint, or a library peer's ``DiLoCo.state_dict()``), under the state's lock; ValueError,
+        before anything changes, if θ_global's shapes are not this model's."""
+        with self._state_lock:
+            self.global_model.load_state_tensors(state["global_state"], int(state["outer_step"]))
+            if state.get("local") is not None:
+                self.local.load_state_dict(state["local"])
+            else:  # a checkpoint of an earlier version kept no θ_local: its data position is a round ahead
+                self.local.replace_with(self.global_model, self.schedule.fragments)
+            self.inner.fast_forward_schedule(int(state.get("inner_steps", 0)))
 
     def _state_snapshot(self) -> list[torch.Tensor]:
         """A copy of θ_global and the outer momentum, taken under the state's lock."""
