@@ -123,7 +123,7 @@ def write_records(args, stop: threading.Event) -> None:
     say(f"records signed as {owner_peer_id(mine)}")
     victim_key = RSASignatureValidator(RSAPrivateKey()).local_public_key  # a marker this node cannot sign for
     good = dict(outer_step=1, sha256="ab" * 32, phase="training", samples=0, time=time.time(), fingerprint=fingerprint,
-                reachability="direct")
+                reachability="direct", leader="")
     progress = {
         b"no owner": good,  # unsigned: nobody can tell whose it is
         mine + b"#string-step": {**good, "outer_step": "9"},
@@ -301,7 +301,7 @@ def serve_poisoned_state(args, stop: threading.Event) -> None:
                 claimed_step.value = step
                 say(f"claims outer step {step}")
             record = dict(outer_step=step, sha256=sha, phase="training", samples=0, time=time.time(),
-                          fingerprint=fingerprint, reachability="direct")
+                          fingerprint=fingerprint, reachability="direct", leader="")
             dht.store(progress_key(cfg.run.name), record, get_dht_time() + 30, subkey=signer.local_public_key)
             stop.wait(0.5)
     finally:

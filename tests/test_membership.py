@@ -7,6 +7,7 @@ member SIGKILLed mid all-reduce must cost the 5 others no step (they average aga
 """
 
 import asyncio
+import dataclasses
 import hashlib
 
 import pytest
@@ -77,6 +78,27 @@ def test_a_retry_plans_among_the_failed_attempts_members_and_waits_for_no_newcom
     retry = plan_membership(now, 4, STATE, peers[0], DIRECT, attempt=2, among=first.members)
     assert set(retry.members) == {peers[0], peers[1]} and set(retry.leaders) <= {peers[0], peers[1]}
     assert plan_membership(now, 4, STATE, peers[0], DIRECT, attempt=2).expected == 4  # without `among`: everyone
+
+
+def test_a_peer_that_plans_later_asks_the_leader_its_groupmates_already_ask():
+    """The first planners named a leader; newcomers at the step would rank another first among more peers and
+    form a second group at the step (the simulation, 16 peers, seed 8): they ask the named one first."""
+    peers = peer_ids(12)
+    early = {p: record(p) for p in peers[:6]}
+    first = plan_membership(early, 4, STATE, peers[0], DIRECT).leaders[0]
+    asked = {p: dataclasses.replace(r, leader=first) for p, r in early.items()}
+    newcomers = {p: record(p) for p in peers[6:]}
+    for peer in peers:
+        plan = plan_membership({**asked, **newcomers}, 4, STATE, peer, DIRECT)
+        assert plan.leaders[0] == first and plan.expected == 12 and len(set(plan.leaders)) == len(plan.leaders)
+    # a leader named by no ready member of the plan (gone, or a stranger's pick) is not followed
+    stranger = {p: dataclasses.replace(r, leader="QmNotAMember" + "x" * 30) for p, r in early.items()}
+    assert plan_membership(stranger, 4, STATE, peers[0], DIRECT) == plan_membership(early, 4, STATE, peers[0], DIRECT)
+    # the most named wins; a retry (among the failed round's members) ranks anew
+    split = {**asked, peers[1]: dataclasses.replace(asked[peers[1]], leader=peers[5])}
+    assert plan_membership(split, 4, STATE, peers[0], DIRECT).leaders[0] == first
+    retry = plan_membership(asked, 4, STATE, peers[0], DIRECT, attempt=2, among=tuple(early))
+    assert retry == plan_membership(early, 4, STATE, peers[0], DIRECT, attempt=2, among=tuple(early))
 
 
 def leader_not_leading_yet(request_timeout: float) -> PlannedMatchmaking:

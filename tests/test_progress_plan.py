@@ -71,7 +71,7 @@ def test_a_load_plan_names_the_records_that_vouch_for_its_target():
 
 FINGERPRINT = "f" * 64
 GOOD = dict(outer_step=3, sha256="ab" * 32, phase="training", samples=12, time=1.0, fingerprint=FINGERPRINT,
-            reachability="direct")
+            reachability="direct", leader="")
 
 
 def test_a_signed_record_speaks_for_its_signer_only():
@@ -82,7 +82,8 @@ def test_a_signed_record_speaks_for_its_signer_only():
 
 @pytest.mark.parametrize("change", [
     {"outer_step": "9"}, {"outer_step": -1}, {"outer_step": 2**40}, {"samples": 1.5}, {"sha256": "xyz"},
-    {"phase": "bogus"}, {"time": float("nan")}, {"extra": 1},
+    {"phase": "bogus"}, {"time": float("nan")}, {"extra": 1}, {"leader": "not base58!"}, {"leader": None},
+    {"leader": "Q" * 65},
 ])
 def test_malformed_progress_records_are_ignored(change):
     identity = Identity.load_or_create(None)

@@ -7,6 +7,7 @@ matchmaking; the plan itself is pure: peers that hold the same records compute t
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass
 from typing import Collection, Optional
 
@@ -52,6 +53,13 @@ def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sh
     say ready at the step with the same state, and the first :data:`MAX_LEADERS` of them that others can
     dial, in :func:`leader_rank` order.
 
+    A round that is already forming comes first: when ready records at the step and state name the leader their
+    authors ask (:attr:`~p2p_diloco.protocol.view.PeerProgress.leader`), the leader most of them name (ties: the
+    :func:`leader_rank` order) is this peer's first, if it is a dialable member of the plan itself; the rank
+    order follows. A peer that became ready later than the first planners (a joiner that loaded the step, a peer
+    that waited longer for it) otherwise ranked a new first leader among more peers and formed a second group
+    beside the first at the same step: two states at one step (the simulation, 16 peers, seed 8).
+
     `among`: a retry plans among the members of the attempt that failed (those whose records still stand):
     a peer that became ready at the step meanwhile was not in that round, so the retry neither waits for it
     nor asks it to lead (in a churn check a retry's planned leader was such a joiner, which found no group).
@@ -62,7 +70,13 @@ def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sh
     members = {pid: r.reachability for pid, r in ready.items() if among is None or pid in among}
     members[peer_id] = reachability
     dialable = sorted(pid for pid, mode in members.items() if mode == DIRECT)
-    leaders = sorted(dialable, key=lambda pid: leader_rank(outer_step, global_sha256, pid, attempt))[:MAX_LEADERS]
+    leaders = sorted(dialable, key=lambda pid: leader_rank(outer_step, global_sha256, pid, attempt))
+    if among is None:
+        asked = Counter(r.leader for pid, r in ready.items() if r.leader in dialable)
+        if asked:
+            forming = max(leaders, key=lambda pid: asked[pid])  # max keeps the first of equals: the rank order
+            leaders = [forming] + [pid for pid in leaders if pid != forming]
+    leaders = leaders[:MAX_LEADERS]
     if not leaders:
         return None
     return Membership(tuple(leaders), tuple(sorted(members)), tuple(dialable))

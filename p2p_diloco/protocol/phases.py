@@ -9,6 +9,8 @@ that a record's phase is one the protocol allows after the last.
 ::
 
     (start) ──► TRAINING ──announce──► READY ──agreed──► COMMITTING ──applied──► TRAINING at t + 1
+                                        │  ▲
+                                        └──┘ planned: the same record, naming the leader it asks first
                   │  ▲                     │                  │
                   │  ├──failed or skipped──┘                  │
                   │  ├──voided by the update check────────────┘
@@ -41,7 +43,8 @@ class Phase(str, Enum):
 TRANSITIONS: dict[Optional[Phase], frozenset[Phase]] = {
     None: frozenset({Phase.TRAINING, Phase.KEEPING, Phase.LEFT}),
     Phase.TRAINING: frozenset({Phase.TRAINING, Phase.READY, Phase.LOADING, Phase.LEFT}),
-    Phase.READY: frozenset({Phase.TRAINING, Phase.COMMITTING, Phase.LOADING, Phase.LEFT}),
+    # READY again: the same record with the leader it asks first (its membership plan)
+    Phase.READY: frozenset({Phase.TRAINING, Phase.READY, Phase.COMMITTING, Phase.LOADING, Phase.LEFT}),
     Phase.COMMITTING: frozenset({Phase.TRAINING, Phase.LOADING, Phase.LEFT}),  # LOADING: after a void round
     Phase.LOADING: frozenset({Phase.TRAINING, Phase.LOADING, Phase.LEFT}),
     Phase.KEEPING: frozenset({Phase.KEEPING, Phase.LEFT}),

@@ -64,7 +64,7 @@ def _of_this_run(author: str, record: ProgressValue, fingerprint: str) -> Option
                   f"the two cannot average together")
         return None
     return PeerProgress(author, record.outer_step, record.sha256, record.phase, record.samples, record.time,
-                        record.reachability)
+                        record.reachability, record.leader)
 
 
 def read_progress(dht: DHT, key: str, fingerprint: str) -> list[PeerProgress]:
@@ -104,15 +104,16 @@ class SwarmProgress:
         self._own: Optional[PeerProgress] = None  # the record this peer published last
         self._publisher = RecordPublisher(dht, self.key, record_subkey, ttl, "progress")
 
-    def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0) -> None:
+    def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0, leader: str = "") -> None:
         """This peer's record, stored in the background (a LEFT record, its last word, before this returns);
-        :meth:`fetch` holds it from now on, whether or not the DHT does yet."""
+        :meth:`fetch` holds it from now on, whether or not the DHT does yet. `leader`: READY only, the leader it
+        asks first (:meth:`asking`)."""
         with self._publishing:
             check_transition(None if self._own is None else self._own.phase, phase)  # a bug if not: raises
             value = dict(outer_step=outer_step, sha256=sha256, phase=phase, samples=samples, time=time.time(),
-                         fingerprint=self.fingerprint, reachability=self.reachability)
+                         fingerprint=self.fingerprint, reachability=self.reachability, leader=leader)
             self._own = PeerProgress(self.peer_id, outer_step, sha256, phase, samples, value["time"],
-                                     self.reachability)
+                                     self.reachability, leader)
             self._publisher.publish(value, keep_fresh=phase != LEFT)
 
     def committing(self, outer_step: int, sha256: str, samples: int) -> None:
@@ -123,6 +124,18 @@ class SwarmProgress:
             if self._own is not None and self._own.phase == LEFT:
                 return
             self.publish(outer_step, sha256, COMMITTING, samples)
+
+    def asking(self, outer_step: int, sha256: str, leader: str) -> None:
+        """Say which leader this peer, ready at `outer_step` with the state `sha256`, asks first in its round (its
+        membership plan's, :func:`~p2p_diloco.protocol.membership.plan_membership`): a peer that plans later asks
+        the same one, and the step forms one group. Called from the round's sync thread: nothing unless its
+        record still says READY at that step and state."""
+        with self._publishing:
+            own = self._own
+            if own is None or (own.phase, own.outer_step, own.sha256) != (READY, outer_step, sha256):
+                return
+            if own.leader != leader:
+                self.publish(outer_step, sha256, READY, own.samples, leader)
 
     def close(self) -> None:
         self._publisher.close()

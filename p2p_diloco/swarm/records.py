@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 
 
 
+PeerIdText = pydantic.constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{32,64}$")  # base58, as libp2p writes it
+LeaderText = pydantic.constr(strict=True, regex=r"^([1-9A-HJ-NP-Za-km-z]{32,64})?$")  # a peer ID, or "" for none
+
+
 class ProgressValue(StrictModel):
     """A peer's progress record (see :class:`p2p_diloco.protocol.view.PeerProgress`)."""
 
@@ -62,6 +66,9 @@ class ProgressValue(StrictModel):
     time: FiniteFloat
     fingerprint: Sha256Hex
     reachability: Literal["direct", "unreachable"]  # see p2p_diloco.swarm.reachability
+    # ready: the leader it asks first in its round (p2p_diloco.protocol.membership); "" in every other record (a
+    # field always present: hivemind's schema check refuses a record whose parsed form differs from it)
+    leader: LeaderText
 
 
 MAX_SHARDS = 2**20
@@ -115,7 +122,6 @@ class StatusValue(StrictModel):
 
 
 MAX_GROUP_MEMBERS = 256  # a round report names each groupmate at most once in each map (~250 bytes each)
-PeerIdText = pydantic.constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{32,64}$")  # base58, as libp2p writes it
 AUDIT_OK, WRONG_MEAN, INPUTS_DIFFER, UNAVAILABLE = "ok", "wrong mean", "inputs differ", "unavailable"
 Verdict = Literal["ok", "wrong mean", "inputs differ", "unavailable"]  # of an audit (p2p_diloco.sync.audit)
 

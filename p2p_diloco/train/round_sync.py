@@ -34,8 +34,8 @@ from typing import Optional, Union
 
 import torch
 
-from p2p_diloco.protocol.membership import plan_membership
-from p2p_diloco.protocol.plans import plan_averaging
+from p2p_diloco.protocol.membership import Membership, plan_membership
+from p2p_diloco.protocol.plans import plan_averaging, plan_round
 from p2p_diloco.protocol.view import PeerProgress, dialable, ready_at, round_closing, went_on_without
 from p2p_diloco.swarm.progress import SwarmProgress
 from p2p_diloco.sync.outer_sync import GroupMean, LeftBehind, OuterSync, PendingDelta, RoundFailed
@@ -104,6 +104,9 @@ class RoundSync:
         if any(r.outer_step > step for r in records.values()):
             return SyncOutcome(event="round_skipped",
                                reason=f"the swarm moved past outer step {step} while this peer trained; catching up")
+        vote = plan_round(records, step, global_sha256)
+        if vote.action == "load":  # the peers at this step hold another state: a round from this one forks the run
+            return SyncOutcome(event="round_skipped", reason=f"{vote.reason}; catching up")
         plan = plan_averaging(records, step, self.peer_id, self.reachability_mode, self.progress.history())
         if plan.action == "skip":
             return SyncOutcome(event="round_skipped", reason=plan.reason)
@@ -116,11 +119,12 @@ class RoundSync:
                                          self._next_attempt_at(step),
                                          among=None if membership is None else membership.members)
             if membership is not None:
+                self.progress.asking(step, global_sha256, membership.leaders[0])
                 logger.info("outer step %d: %d peer(s) ready to average; leader %s", step + 1, membership.expected,
                             " then ".join(leader[-8:] for leader in membership.leaders))
             try:
                 result = self.sync.average(to_send, samples, step, global_sha256, fragment, stop=self.stop_event,
-                                           membership=membership, left_behind=lambda: self._went_on_without(step))
+                                           membership=membership, left_behind=lambda: self._went_on_without(step, membership))
                 result.attempt = attempt
                 result.phases = dict(wait=waited_s, **result.phases)
                 return SyncOutcome(result, failed_attempts=failed)
@@ -161,13 +165,14 @@ class RoundSync:
         self._attempts_at = (step, made + 1 if at == step else 1)
         return self._attempts_at[1]
 
-    def _went_on_without(self, step: int) -> bool:
-        """Whether the peers at `step` averaged without this peer: a record is past the step, and no other
-        peer is still ready or training at it (so a liar's claim past the step changes nothing while honest
-        peers are at it). A peer that arrives at a step as its group starts (a joiner that just loaded the
-        state) plans a membership whose members are already averaging: without this it waited out every
-        leader's window, 3 × 3 × ``matchmaking_time``, before it caught up."""
-        return went_on_without(self.progress.fetch(), step, self.peer_id)
+    def _went_on_without(self, step: int, membership: Optional[Membership]) -> bool:
+        """Whether the peers at `step` averaged without this peer: more of the members it planned its round with
+        are past the step than still ready or training at it (:func:`~p2p_diloco.protocol.view.went_on_without`).
+        A peer that arrives at a step as its group starts (a joiner that just loaded the state) plans a membership
+        whose members are already averaging: without this it waited out every leader's window,
+        3 × 3 × ``matchmaking_time``, before it caught up."""
+        among = None if membership is None else membership.members
+        return went_on_without(self.progress.fetch(), step, self.peer_id, among)
 
     def _answering(self, records: dict[str, PeerProgress], step: int) -> dict[str, PeerProgress]:
         """The records, less those of peers ready at `step` that no longer answer on the network (the

@@ -28,8 +28,9 @@ class SimRound:
     sha256: str
     leader: str
     planned: frozenset[str]  # the opener's plan
-    opened: float
+    opened: float  # when its first member asked
     parts: dict[str, tuple[torch.Tensor, float]] = field(default_factory=dict)  # member -> (what it sends, claim)
+    leading: Optional[float] = None  # when the leader itself came: it takes members from then on
     started: Optional[float] = None
     ends: float = math.inf  # when its all-reduce, reports and audit are over
     outcome: Optional["RoundOutcome"] = None
@@ -42,6 +43,7 @@ class RoundOutcome:
     known_at: float  # when the members learn it
     failed: tuple[str, ...] = ()  # members lost mid-round
     formed: bool = True  # False: fewer than two members came; nothing moved
+    applied: Optional[tuple] = None  # what its members apply, computed once (SimSwarm.commit)
 
 
 @dataclass
@@ -53,12 +55,20 @@ class SimAverager:
     failure_detection_s: float  # how long the survivors of a round that lost a member wait to know it
     present: Callable[[str, str], bool]  # whether a peer is alive, not frozen, and reachable from another
     rounds: dict[tuple[int, str, str], SimRound] = field(default_factory=dict)
+    member_of: dict[str, SimRound] = field(default_factory=dict)  # peer -> the round it joined last
+
+    def _follows_another(self, leader: str, step: int, sha256: str, now: float) -> bool:
+        """Whether `leader` is itself a member of another leader's round at (`step`, `sha256`) that has not
+        ended: it looks for no group of its own then (hivemind's averager is a follower, or in an all-reduce)."""
+        joined = self.member_of.get(leader)
+        return (joined is not None and joined.leader != leader and (joined.step, joined.sha256) == (step, sha256)
+                and leader in joined.parts and now < joined.ends)
 
     def join(self, peer: str, step: int, sha256: str, leader: str, planned: frozenset[str], part: torch.Tensor,
              claim: float, now: float) -> Optional[SimRound]:
         """`peer` asks `leader` to take it into the round at (`step`, `sha256`): the round, or None if the leader
         is not there or its round started already."""
-        if leader != peer and not self.present(leader, peer):
+        if leader != peer and (not self.present(leader, peer) or self._follows_another(leader, step, sha256, now)):
             return None
         key = (step, sha256, leader)
         found = self.rounds.get(key)
@@ -67,11 +77,22 @@ class SimAverager:
         if found is None or found.started is not None:  # none yet, or the last one is over: the leader opens one
             found = self.rounds[key] = SimRound(step, sha256, leader, planned, now)
         found.parts[peer] = (part, claim)
+        self.member_of[peer] = found
+        if peer == leader and found.leading is None:
+            found.leading = now
         return found
 
+    def leader_absent(self, found: SimRound, asked_at: float, now: float) -> bool:
+        """Whether the leader of `found` has not come to lead it a window after a member asked at `asked_at`: the
+        member asks the next leader (:mod:`p2p_diloco.sync.membership`: a leader holds a planned member's request
+        until it leads, and a member whose leader does not take it within the window moves on)."""
+        return found.leading is None and now >= asked_at + self.window_s
+
     def tick(self, found: SimRound, now: float, duration: float) -> None:
-        """Start `found` when its planned members are in, or its window is over."""
-        if found.started is None and (set(found.planned) <= set(found.parts) or now >= found.opened + self.window_s):
+        """Start `found` when its leader leads it and the planned members are in, or the leader's window is over."""
+        if found.leading is None:
+            return
+        if found.started is None and (set(found.planned) <= set(found.parts) or now >= found.leading + self.window_s):
             found.started = now
             if len(found.parts) < 2:  # hivemind's min_group_size: a leader alone disbands, no tensor moved
                 found.ends = now

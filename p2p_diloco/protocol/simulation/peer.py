@@ -29,7 +29,7 @@ from p2p_diloco.protocol.decide import LOAD, WAIT, Move, next_move
 from p2p_diloco.protocol.ledger import Seen, TrustLedger, remember
 from p2p_diloco.protocol.membership import plan_membership
 from p2p_diloco.protocol.phases import check_transition
-from p2p_diloco.protocol.plans import RoundPlan, plan_averaging
+from p2p_diloco.protocol.plans import RoundPlan, plan_averaging, plan_round
 from p2p_diloco.protocol.trust import is_verifiable, unverified_step_trusted
 from p2p_diloco.protocol.view import (
     COMMITTING, DIRECT, LEFT, LOADING, READY, TRAINING, PeerProgress, busy_toward, round_closing, went_on_without,
@@ -97,9 +97,9 @@ class SimPeer:
     def log(self, what: str) -> None:
         self.events.append(f"{self.now:8.2f} {self.peer_id} step {self.outer_step}: {what}")
 
-    def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0) -> None:
+    def publish(self, outer_step: int, sha256: str, phase: str, samples: int = 0, leader: str = "") -> None:
         check_transition(None if self.own is None else self.own.phase, phase)
-        self.own = PeerProgress(self.peer_id, outer_step, sha256, phase, samples, self.now, DIRECT)
+        self.own = PeerProgress(self.peer_id, outer_step, sha256, phase, samples, self.now, DIRECT, leader)
         self.swarm.dht.store(self.own, self.now)
 
     def fetch(self) -> dict[str, PeerProgress]:
@@ -226,6 +226,9 @@ class SimPeer:
         records = yield from self.wait_for_groupmates(step, sha)
         if any(r.outer_step > step for r in records.values()):
             return "skipped: the swarm moved past the step"
+        vote = plan_round(records, step, sha)
+        if vote.action == LOAD:
+            return f"skipped: {vote.reason}"
         plan = plan_averaging(records, step, self.peer_id, DIRECT, self.ledger.history(self.seen, self.now))
         if plan.action == "skip":
             return f"skipped: {plan.reason}"
@@ -237,6 +240,8 @@ class SimPeer:
         for attempt in range(1, settings.attempts + 1):
             membership = plan_membership(records, step, sha, self.peer_id, DIRECT, self.next_attempt(step),
                                          among=None if membership is None else membership.members)
+            if membership is not None and self.own.leader != membership.leaders[0]:  # SwarmProgress.asking
+                self.publish(step, sha, READY, self.held_samples, membership.leaders[0])
             outcome = yield from self.average(step, sha, membership)
             if outcome == "left behind":
                 return "skipped: its group averaged without it"
@@ -289,8 +294,11 @@ class SimPeer:
             if joined is None:
                 yield averager.window_s if not self.swarm.present(leader, self.peer_id) else ROUND_POLL_S
                 continue
-            next_look = self.now
+            next_look = asked_at = self.now
             while True:  # noqa: the loop ends with the round's outcome, a disbanded group, or left behind
+                if averager.leader_absent(joined, asked_at, self.now):
+                    joined.parts.pop(self.peer_id, None)
+                    break  # its leader never came to lead: ask the next one
                 averager.tick(joined, self.now, settings.round_duration(len(joined.parts)))
                 outcome = averager.outcome(joined, self.now)
                 if outcome is not None and not outcome.formed:
@@ -299,7 +307,7 @@ class SimPeer:
                     return outcome
                 if joined.started is None and self.now >= next_look:
                     next_look = self.now + LEFT_BEHIND_POLL_S
-                    if went_on_without(self.fetch(), step, self.peer_id):
+                    if went_on_without(self.fetch(), step, self.peer_id, planned):
                         joined.parts.pop(self.peer_id, None)
                         return "left behind"
                 yield ROUND_POLL_S

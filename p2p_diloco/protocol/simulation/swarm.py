@@ -97,7 +97,6 @@ class SimSwarm:
         self.initial = SimState(0, hashlib.sha256(b"initial").hexdigest(), params, torch.zeros(settings.dims), None)
         self.states: dict[str, SimState] = {self.initial.sha256: self.initial}
         self.committed_at: dict[int, set[str]] = {}  # outer step -> states honest peers committed there
-        self._committed: dict[int, tuple] = {}  # id(round outcome) -> what its members apply
         self._serial = 0
         self._join_at = {plan.peer_id: plan.join_at for plan in schedule.peers}
         self.peers: dict[str, SimPeer] = {}
@@ -177,10 +176,9 @@ class SimSwarm:
 
     def commit(self, outcome: RoundOutcome, step: int, sha: str):
         """What the members of a round that ended with a mean apply: computed once for all of them."""
-        key = id(outcome)
-        if key not in self._committed:
-            self._committed[key] = self._commit(outcome.mean, step, sha, outcome.members)
-        return self._committed[key]
+        if outcome.applied is None:  # kept on the outcome: an id() of a freed outcome is reused, and replays differed
+            outcome.applied = self._commit(outcome.mean, step, sha, outcome.members)
+        return outcome.applied
 
     def commit_alone(self, peer: SimPeer, sent: torch.Tensor):
         self.invariants.on_alone(peer)
