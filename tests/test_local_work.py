@@ -72,3 +72,35 @@ def test_a_downloaded_state_replaces_all_of_it():
     assert all(torch.equal(a, b) for a, b in zip(work.params, global_model.params))
     assert (work.contribution.samples(0), work.contribution.samples(1), work.steps_ahead) == (0, 0, 0)
     assert not any(r.any() for r in work.error_feedback.residual)
+
+
+def test_a_state_loaded_after_a_missed_round_takes_all_of_it_over():
+    """keeps_work: θ_local ← θ_global' − Δ, so the pseudo-gradient and everything around it carry over."""
+    work, global_model = local_work(0)
+    trained(work, global_model)
+    fragments = [[0], [1]]
+    before = work.pseudo_gradients(global_model, fragments)
+    counts, residual = work.contribution.state_dict(), [r.clone() for r in work.error_feedback.residual]
+    local_before = [p.clone() for p in work.params]
+    _, loaded = local_work(7)  # another θ_global, as a download brings it
+    global_model.load_state_tensors(loaded.state_tensors(), 5)
+    work.rebase(global_model, fragments, before)
+    after = work.pseudo_gradients(global_model, fragments)
+    assert all(torch.allclose(a, b, atol=1e-6) for fa, fb in zip(before, after) for a, b in zip(fa, fb))
+    assert not any(torch.allclose(a, b) for a, b in zip(work.params, local_before))  # it moved with θ_global
+    assert work.contribution.state_dict() == counts and work.steps_ahead == 1
+    assert all(torch.equal(a, b) for a, b in zip(work.error_feedback.residual, residual))
+
+
+def test_a_fragment_sent_in_a_failed_round_stays_unsettled_until_applied_or_replaced():
+    work, global_model = local_work(0)
+    work.sent_in_failed_round(1)
+    restored, _ = local_work(1)
+    restored.load_state_dict(work.state_dict())
+    assert restored.sent_unsettled == {1}
+    work.sent([0], global_model.pseudo_gradient(work.params, [0]), None, fragment=0)
+    assert work.sent_unsettled == {1}  # another fragment's round settles nothing of fragment 1
+    work.sent([1], global_model.pseudo_gradient(work.params, [1]), None, fragment=1)
+    assert work.sent_unsettled == set()
+    restored.replace_with(global_model, [[0], [1]])
+    assert restored.sent_unsettled == set()

@@ -6,7 +6,7 @@ import pytest
 
 from p2p_diloco.protocol.ledger import ASIDE_S, TrustLedger, merge_seen
 from p2p_diloco.protocol.phases import TRANSITIONS, IllegalTransition, Phase, check_transition
-from p2p_diloco.protocol.plans import plan_averaging
+from p2p_diloco.protocol.plans import keeps_work, plan_averaging
 from p2p_diloco.protocol.view import (
     COMMITTING, DIRECT, KEEPING, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, averaging_peers,
     busy_toward, committing_toward, keepers, on_its_way_to, own_vouchers, ready_at, round_closing,
@@ -133,3 +133,10 @@ def test_a_former_groupmates_word_counts_first_until_it_is_distrusted():
     assert ledger.trusted_word() == {"x"}
     ledger.averaged_with(["y"])  # meeting it again earns nothing back
     assert ledger.trusted_word() == {"x"}
+
+
+def test_a_load_keeps_the_work_of_a_missed_round_or_a_lost_vote_and_nothing_a_state_may_hold():
+    assert keeps_work(4, 5, work_sent=False)  # a round it missed: its Δ is one outer step stale
+    assert keeps_work(4, 4, work_sent=False)  # the vote at its step went to another state
+    assert not keeps_work(4, 5, work_sent=True)  # its Δ travelled in a failed round: the state may hold it
+    assert not keeps_work(4, 7, work_sent=False)  # a jump: a Δ from three outer steps back is dropped

@@ -10,6 +10,7 @@ remembers of the run; each returns a decision with its reason.
   * else train.
 * :func:`behind_alone`: the run is ahead and nobody to average with is at this step: wait for the run's
   state, never train alone (:mod:`p2p_diloco.train.catch_up`).
+* :func:`keeps_work`, on a load: whether the peer's unsynced inner steps move onto the loaded state or are dropped.
 * :func:`plan_averaging`, once the groupmates are ready: average with the peers at this step, apply this
   peer's own Δ when no other peer of the run is live, or skip the round while others are at other steps.
 """
@@ -115,3 +116,18 @@ def behind_alone(own_step: int, history: Optional[RunHistory], records: Mapping[
         return False
     return not any(record.outer_step == own_step or on_its_way_to(record, own_step)
                    for record in averaging_peers(records, peer_id))
+
+
+def keeps_work(own_step: int, target_step: int, work_sent: bool) -> bool:
+    """Whether a peer that loads the state at `target_step` keeps its unsynced inner steps, rebased onto the
+    loaded θ_global (θ_local ← θ_global' − Δ, so its pseudo-gradient Δ = θ_global − θ_local is the same), instead
+    of dropping them with its old state.
+
+    It keeps them when none of them went into a round that moved tensors and then failed (`work_sent`: another
+    member may have committed that round, so the loaded state may hold them already, and a kept Δ would count
+    twice) and the state is at its own step (a vote it lost) or the next (a round it missed: left behind, late,
+    or a joiner whose first inner steps the run's step overtook). Its Δ is then at most one outer step stale,
+    the delay that Streaming DiLoCo's overlapped outer step already applies to every Δ (arXiv 2501.18512, §2.2,
+    τ > 0). A longer jump drops them: a Δ from several outer steps back points where the run no longer is.
+    Dropped, they were 97 % of the samples the simulation's loads lost (16 peers, 20 seeds)."""
+    return not work_sent and own_step <= target_step <= own_step + 1

@@ -344,6 +344,8 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
         because it is stopping is only written to the metrics.
         """
         event, reason = outcome.event, outcome.reason
+        if outcome.tensors_touched:  # its Δ travelled: a state loaded next may hold it (protocol.plans.keeps_work)
+            self.local.sent_in_failed_round(self.schedule.fragment_at(step))
         self.metrics.write(event, outer_step=step, reason=reason)
         if event == ROUND_STOPPED:
             return
@@ -367,7 +369,7 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
         mean_loss = self.local.contribution.synced(fragment, samples)
         self.progress.ledger.averaged_with(result.tokens)
         indices = self.schedule.fragments[fragment]
-        self.local.sent(indices, to_send, result.sent)
+        self.local.sent(indices, to_send, result.sent, fragment)
         self.island.pull()  # the inner steps run while the sync was in flight
         with self._state_lock:
             self.global_model.apply(result.mean, indices)

@@ -11,9 +11,11 @@ Around it a peer keeps more state that only makes sense together with θ_local:
 * the error-feedback residual (:mod:`p2p_diloco.train.error_feedback`): what the codec dropped from
   this peer's last sends, owed to the next.
 
-They change together and are lost together: a downloaded state replaces all of them at once
-(:meth:`LocalWork.replace_with`: the state already holds whatever of this peer's work reached the
-group, so keeping any of them would count it twice), and a checkpoint keeps all of them
+They change together and move together. A downloaded state either replaces all of them at once
+(:meth:`LocalWork.replace_with`: the state may hold some of this peer's work already, and keeping any
+of it would count it twice) or takes all of them over (:meth:`LocalWork.rebase`: none of the work
+was sent in a round that moved tensors and failed, and the state is at most one outer step ahead,
+:func:`p2p_diloco.protocol.plans.keeps_work`); a checkpoint keeps all of them
 (:meth:`LocalWork.state_dict`) with the data stream's position taken at the same moment, so a
 restarted peer neither skips a batch it had read nor counts one twice.
 """
@@ -86,6 +88,9 @@ class LocalWork:
         self.contribution = Contribution(num_fragments)
         self.steps_ahead = 0  # inner steps of the next round, run while the last round's sync was in flight
         self.error_feedback = error_feedback
+        # fragments whose Δ went into a round that moved tensors and then failed: another member may have
+        # committed it, so a state loaded next may hold that work (keeps_work)
+        self.sent_unsettled: set[int] = set()
 
     def to_send(self, indices: Sequence[int], pseudo_gradient: list[torch.Tensor]) -> list[torch.Tensor]:
         """What this peer sends for the fragment at `indices`: Δ, plus the residual it owes with error feedback."""
@@ -94,11 +99,17 @@ class LocalWork:
         return self.error_feedback.compensate(indices, pseudo_gradient)
 
     def sent(self, indices: Sequence[int], to_send: Sequence[torch.Tensor],
-             counted: Optional[Sequence[torch.Tensor]]) -> None:
-        """The round that sent `to_send` for the fragment at `indices` is applied, and the group counted this
-        peer's part as `counted` (None: exactly as sent, e.g. a peer alone): keep what it did not count."""
+             counted: Optional[Sequence[torch.Tensor]], fragment: Optional[int] = None) -> None:
+        """The round that sent `to_send` for the fragment at `indices` (number `fragment`) is applied, and the group
+        counted this peer's part as `counted` (None: exactly as sent, e.g. a peer alone): keep what it did not
+        count."""
+        self.sent_unsettled.discard(fragment)
         if self.error_feedback is not None:
             self.error_feedback.commit(indices, to_send, to_send if counted is None else counted)
+
+    def sent_in_failed_round(self, fragment: int) -> None:
+        """This peer's Δ of `fragment` travelled in a round that failed: a state loaded next may hold it."""
+        self.sent_unsettled.add(fragment)
 
     @torch.no_grad()
     def replace_with(self, global_model, fragments: Sequence[Sequence[int]]) -> None:
@@ -106,8 +117,21 @@ class LocalWork:
         global_model.copy_to(self.params, fragments)
         self.contribution = Contribution(self.num_fragments)
         self.steps_ahead = 0
+        self.sent_unsettled = set()
         if self.error_feedback is not None:
             self.error_feedback.reset()
+
+    def pseudo_gradients(self, global_model, fragments: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
+        """Δ = θ_global − θ_local of each fragment (fp32, on the CPU), to keep across a load (:meth:`rebase`)."""
+        return [global_model.pseudo_gradient(self.params, indices) for indices in fragments]
+
+    def rebase(self, global_model, fragments: Sequence[Sequence[int]],
+               pseudo_gradients: Sequence[Sequence[torch.Tensor]]) -> None:
+        """θ_local ← θ_global − Δ for a downloaded θ_global, each fragment's Δ taken before the load
+        (:meth:`pseudo_gradients`): this peer's unsynced inner steps, their counts, the steps run ahead and the
+        residual it owes all carry over to the loaded state (:func:`p2p_diloco.protocol.plans.keeps_work`)."""
+        for indices, delta in zip(fragments, pseudo_gradients):
+            global_model.rebase(self.params, indices, delta)
 
     def state_dict(self) -> dict:
         """θ_local in its own dtype, on the CPU, and the rest; for a checkpoint taken between inner steps."""
@@ -116,6 +140,7 @@ class LocalWork:
             contribution=self.contribution.state_dict(),
             steps_ahead=self.steps_ahead,
             error_feedback=None if self.error_feedback is None else self.error_feedback.state_dict(),
+            sent_unsettled=sorted(self.sent_unsettled),
         )
 
     @torch.no_grad()
@@ -130,6 +155,7 @@ class LocalWork:
             p.copy_(s)
         self.contribution = contribution
         self.steps_ahead = int(state["steps_ahead"])
+        self.sent_unsettled = {int(f) for f in state.get("sent_unsettled", ())}
         if self.error_feedback is not None:
             if state.get("error_feedback") is not None:
                 self.error_feedback.load_state_dict(state["error_feedback"])

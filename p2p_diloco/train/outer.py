@@ -106,6 +106,17 @@ class GlobalModel:
             [self.params[i] for i in indices], [local_params[i] for i in indices], alpha
         )
 
+    @torch.no_grad()
+    def rebase(self, local_params: Sequence[torch.Tensor], indices: Sequence[int],
+               pseudo_gradient: Sequence[torch.Tensor]) -> None:
+        """θ_local ← θ_global − Δ at `indices`: the pseudo-gradient Δ (:meth:`pseudo_gradient`, taken against the
+        state this peer held before) moved onto this θ_global, a state it loaded
+        (:func:`p2p_diloco.protocol.plans.keeps_work`)."""
+        self._transfer(local_params, indices).scatter(
+            [self.params[i] - delta for i, delta in zip(indices, pseudo_gradient)],
+            [local_params[i] for i in indices], 0.0
+        )
+
     @staticmethod
     def _transfer_key(local_params: Sequence[torch.Tensor], indices: Sequence[int]) -> tuple:
         return tuple(indices), local_params[indices[0]].device

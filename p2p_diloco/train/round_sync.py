@@ -56,6 +56,7 @@ class SyncOutcome:
     event: Optional[str] = None  # the metrics event of a round that applied nothing: round_failed, round_skipped, ...
     reason: str = ""
     failed_attempts: list[str] = field(default_factory=list)  # why each earlier attempt at the step's round failed
+    tensors_touched: bool = False  # a failed round in which this peer's Δ travelled: another member may commit it
 
 
 class RoundSync:
@@ -113,6 +114,7 @@ class RoundSync:
         if plan.action == "alone":
             return self._alone(to_send, samples)
         failed: list[str] = []
+        touched = False  # whether an attempt that failed had moved this peer's Δ
         membership = None
         for attempt in range(1, self.attempts + 1):
             membership = plan_membership(records, step, global_sha256, self.peer_id, self.reachability_mode,
@@ -131,17 +133,19 @@ class RoundSync:
             except LeftBehind:
                 return SyncOutcome(event="round_skipped", reason=f"the peers at outer step {step} averaged without "
                                                                  f"this peer while it was matching; catching up",
-                                   failed_attempts=failed)
+                                   failed_attempts=failed, tensors_touched=touched)
             except RoundFailed as e:  # with what the user can do about it, where there is something
+                touched = touched or e.tensors_touched
                 if not e.tensors_touched or attempt == self.attempts or self.stop_event.is_set():
                     reason = str(e) + (ASSISTANT_HINT if plan.needs_assistant else "")
-                    return SyncOutcome(event="round_failed", reason=reason, failed_attempts=failed)
+                    return SyncOutcome(event="round_failed", reason=reason, failed_attempts=failed,
+                                       tensors_touched=touched)
                 failed.append(str(e))
                 records = self._answering(self.progress.fetch(), step)
                 if any(r.outer_step > step for r in records.values()):  # the others applied it: catch up instead
                     return SyncOutcome(event="round_skipped", reason=f"attempt {attempt} failed ({e}) while the swarm "
                                                                      f"moved past outer step {step}; catching up",
-                                       failed_attempts=failed)
+                                       failed_attempts=failed, tensors_touched=touched)
                 logger.warning("outer step %d: attempt %d of %d failed (%s); averaging again with the %d peers ready "
                                "at the step that still answer", step + 1, attempt, self.attempts, e,
                                len(ready_at(records, step)))

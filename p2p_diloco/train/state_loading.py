@@ -10,8 +10,9 @@ and acts on a load or a wait here:
 * a load from the run's checkpoint store (:mod:`p2p_diloco.sync.state_store`), when no peer serves the run's state;
 * a wait for the run's state (:meth:`StateLoading._wait_for_state`), bounded (:mod:`p2p_diloco.train.catch_up`).
 
-A member that adopts a state drops θ_local and its unsynced inner steps with the old one (the metrics say how many
-samples), and checkpoints the new one at once.
+A member that adopts a state keeps its unsynced inner steps, rebased onto it, when it missed one round or lost a vote
+at its step (:func:`p2p_diloco.protocol.plans.keeps_work`), else drops them with its old state (the metrics say how
+many samples either way), and checkpoints the new one at once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Optional
 import torch
 
 from p2p_diloco.protocol.decide import Move, next_move
-from p2p_diloco.protocol.plans import RoundPlan
+from p2p_diloco.protocol.plans import RoundPlan, keeps_work
 from p2p_diloco.protocol.trust import is_verifiable, unverified_step_trusted
 from p2p_diloco.protocol.view import LOADING, PeerProgress, averages
 from p2p_diloco.sync.state_store import StoreError
@@ -151,12 +152,19 @@ class StateLoading:
     def _adopt(self, tensors: list[torch.Tensor], outer_step: int, inner_steps: int, reason: str, source: str,
                **details) -> None:
         """Replace this peer's state with a checked one (θ_global and momentum at `outer_step`) that came from
-        `source` ("peer", "keeper" or "store"); θ_local and its unsynced inner steps go with the old state."""
-        contribution = self.local.contribution  # its unsynced inner steps are dropped with θ_local
-        samples_dropped = max(contribution.samples(f) for f in range(len(self.schedule.fragments)))
+        `source` ("peer", "keeper" or "store"). θ_local's unsynced inner steps move onto it, rebased, when
+        :func:`~p2p_diloco.protocol.plans.keeps_work` says so (a round missed, a vote lost); else they go with the
+        old state."""
+        fragments = self.schedule.fragments
+        held = max(self.local.contribution.samples(f) for f in range(len(fragments)))
+        keep = held > 0 and keeps_work(self.global_model.outer_step, outer_step, bool(self.local.sent_unsettled))
         with self._state_lock:
+            deltas = self.local.pseudo_gradients(self.global_model, fragments) if keep else None
             self.global_model.load_state_tensors(tensors, outer_step)
-            self.local.replace_with(self.global_model, self.schedule.fragments)
+            if keep:
+                self.local.rebase(self.global_model, fragments, deltas)
+            else:
+                self.local.replace_with(self.global_model, fragments)
             self.inner.fast_forward_schedule(inner_steps)
             self.island.changed(self.inner.steps_done)
             self._after_state_change()
@@ -164,9 +172,11 @@ class StateLoading:
         self.progress.publish(self.global_model.outer_step, self.sha256, self.idle_phase)
         self.view.training(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done)
         self.metrics.write("state_loaded", outer_step=outer_step, global_sha256=self.sha256, reason=reason,
-                           source=source, samples_dropped=samples_dropped, **details)
-        logger.info("loaded global state at outer step %d (%s) from %s %s", outer_step, self.sha256[:12], source,
-                    details.get("donor", ""))
+                           source=source, samples_dropped=0 if keep else held, samples_kept=held if keep else 0,
+                           **details)
+        logger.info("loaded global state at outer step %d (%s) from %s %s%s", outer_step, self.sha256[:12], source,
+                    details.get("donor", ""), f"; keeping the {held} samples of its unsynced inner steps" if keep
+                    else "")
         self._save_checkpoint()
 
     def _load_from_store(self, reason: str) -> bool:

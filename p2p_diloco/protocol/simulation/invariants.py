@@ -7,7 +7,8 @@
   honest peers committed) is at a later step;
 * **only committed states are loaded**: no honest peer loads a state that honest peers did not commit;
 * **live**: once faults stop, every live honest peer takes (or loads) an outer step within `liveness_bound_s`;
-* **no lost work**: no trained samples are lost except by a crash (a load drops the inner steps a peer held);
+* **no lost work**: no trained samples are lost except by a crash: a load keeps the inner steps a peer held
+  (:func:`~p2p_diloco.protocol.plans.keeps_work`) unless they went into a round that lost a member;
 * **no trap**: no honest peer has more than `max_void_streak` void rounds in a row.
 """
 
@@ -66,13 +67,13 @@ class Invariants:
         if peer.honest and ahead > peer.outer_step:
             self.breach(ALONE_AHEAD, peer.peer_id, f"stepped alone from {peer.outer_step}, the run is at {ahead}")
 
-    def on_adopt(self, peer: Any, state: Any, loaded: bool) -> None:
+    def on_adopt(self, peer: Any, state: Any, loaded: bool, kept: bool = False) -> None:
         if not peer.honest:
             return
         if state.outer_step > 0 and not state.committed_by:
             self.breach(UNCOMMITTED_LOAD, peer.peer_id, f"adopted {state.sha256[:8]} at {state.outer_step}, which no "
                                                         f"honest peer committed")
-        if loaded and peer.held_samples:
+        if loaded and not kept and peer.held_samples and not peer.work_sent:  # sent: lost with a crashed member
             self.breach(LOST_WORK, peer.peer_id, f"a load to outer step {state.outer_step} dropped "
                                                  f"{peer.held_samples} trained samples")
 

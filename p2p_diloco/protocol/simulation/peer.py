@@ -29,7 +29,7 @@ from p2p_diloco.protocol.decide import LOAD, WAIT, Move, next_move
 from p2p_diloco.protocol.ledger import Seen, TrustLedger, remember
 from p2p_diloco.protocol.membership import plan_membership
 from p2p_diloco.protocol.phases import check_transition
-from p2p_diloco.protocol.plans import RoundPlan, plan_averaging, plan_round
+from p2p_diloco.protocol.plans import RoundPlan, keeps_work, plan_averaging, plan_round
 from p2p_diloco.protocol.trust import is_verifiable, unverified_step_trusted
 from p2p_diloco.protocol.view import (
     COMMITTING, DIRECT, LEFT, LOADING, READY, TRAINING, PeerProgress, busy_toward, round_closing, went_on_without,
@@ -79,6 +79,7 @@ class SimPeer:
     leave_at: float = math.inf
     left: bool = False
     attempts_at: tuple[int, int] = (-1, 0)
+    work_sent: bool = False  # its held Δ went into a round that moved tensors and failed (keeps_work)
     events: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -172,18 +173,22 @@ class SimPeer:
     def adopt(self, state: Any, how: str) -> None:
         """Take `state` (a SimState of the run's registry) as its own: loaded, or the round it averaged in."""
         loaded = how.startswith("loaded")
-        self.swarm.invariants.on_adopt(self, state, loaded)
-        if loaded:
+        kept = loaded and keeps_work(self.outer_step, state.outer_step, self.work_sent)
+        self.swarm.invariants.on_adopt(self, state, loaded, kept)
+        if loaded and not kept:
             self.counts.samples_dropped += self.held_samples
+        if loaded:
             self.inner_steps = max(self.inner_steps, state.outer_step * self.swarm.settings.inner_steps)
         self.outer_step, self.sha256 = state.outer_step, state.sha256
-        self.delta = torch.zeros_like(self.delta)
-        self.held_steps = 0
+        if not kept:  # its Δ moves onto the loaded state as it is (rebased), or goes with the old one
+            self.delta = torch.zeros_like(self.delta)
+            self.held_steps = 0
+        self.work_sent = False
         self.last_progress = self.now
         self.ledger.served(state.outer_step, state.sha256)
         self.publish(self.outer_step, self.sha256, TRAINING)
         if loaded:
-            self.log(f"{how}: now at {state.sha256[:8]}")
+            self.log(f"{how}: now at {state.sha256[:8]}" + (f", keeping {self.held_steps} inner steps" if kept else ""))
 
     # ----- a round ------------------------------------------------------------------------------
     def train(self, steps: int) -> None:
@@ -250,6 +255,7 @@ class SimPeer:
             if outcome.mean is not None:
                 yield from self.committing(step, sha)
                 return self.apply(self.swarm.commit(outcome, step, sha), f"averaged in {len(outcome.members)}")
+            self.work_sent = True  # its Δ travelled in a round that failed: a state may hold it
             if attempt == settings.attempts:
                 return f"failed: members lost: {outcome.failed}"
             records = {p: r for p, r in self.fetch().items() if p not in outcome.failed or self.swarm.answers(p)}
