@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from p2p_diloco.protocol.ledger import ASIDE_S, TrustLedger, merge_seen
+from p2p_diloco.protocol.ledger import ASIDE_S, STRIKE_S, TrustLedger, merge_seen
 from p2p_diloco.protocol.phases import TRANSITIONS, IllegalTransition, Phase, check_transition
 from p2p_diloco.protocol.plans import keeps_work, plan_averaging
 from p2p_diloco.protocol.view import (
@@ -104,6 +104,30 @@ def test_the_ledger_sets_claims_aside_until_their_author_moves_on_or_the_state_i
     assert set(ledger.split(moved, now=200.0)[0]) == {"me"}  # x's record expired at 100
 
 
+def test_an_identity_whose_claims_nobody_served_twice_counts_nowhere_ahead_until_it_serves():
+    """A liar that claims the run's next step at every step: each new step's claim counted again (its author moved
+    on), and every peer skipped the round and failed a download, step after step (the simulation's
+    `liar_following_the_run`). Two unserved claims in a row strike it for STRIKE_S: above this peer's step its
+    records count in no plan and no history; at or below, they still do."""
+    ledger = TrustLedger("me")
+    seen = {"me": (rec("me", 3), math.inf), "x": (rec("x", 4, sha=B), 1000.0)}
+    ledger.set_aside({"x": (4, B)}, now=0.0, unserved=True)
+    assert not ledger.struck("x", 1.0)
+    seen["x"] = (rec("x", 5, sha=A), 1000.0)  # it moved on: the aside is over, and its next claim counts
+    assert "x" in ledger.split(seen, now=2.0)[0] and ledger.history(seen, 2.0, 2.0).outer_step == 5
+    ledger.set_aside({"x": (5, A)}, now=2.0, unserved=True)  # nobody served that one either
+    seen["x"] = (rec("x", 6, sha=B), 1000.0)
+    records, aside = ledger.split(seen, now=3.0)
+    assert ledger.struck("x", 3.0) and set(records) == {"me"} and set(aside) == {"x"}
+    assert ledger.history(seen, 3.0, 3.0) is None
+    seen["x"] = (rec("x", 3, sha=A), 1000.0)  # at this peer's step it is a peer like any other
+    assert "x" in ledger.split(seen, now=3.0)[0]
+    seen["x"] = (rec("x", 6, sha=B), 1000.0)
+    assert "x" in ledger.split(seen, now=2.0 + STRIKE_S + 1)[0]  # asked again after a while
+    ledger.served(6, B, donor="x")  # it served a state: forgiven
+    assert not ledger.struck("x", 4.0)
+
+
 def test_a_peer_never_averages_alone_while_the_run_was_seen_ahead():
     """Its records may hide the run (set aside, or missed by a read): the run's history still says where it is."""
     alone = {"me": rec("me", 4, READY)}
@@ -117,12 +141,12 @@ def test_refused_states_and_distrusted_peers_count_nowhere_but_history_outlives_
     ledger = TrustLedger("me")
     seen = {"x": (rec("x", 7, sha=B, at=100.0), 50.0), "y": (rec("y", 5, at=90.0), 500.0),
             "z": (rec("z", 9, LOADING, at=100.0), 500.0)}
-    history = ledger.history(seen, wall_now=130.0)  # x's record expired: the run was seen at 7 all the same
+    history = ledger.history(seen, wall_now=130.0, now=130.0)  # x's record expired: the run was seen at 7 all the same
     assert (history.outer_step, history.peers, history.age_s) == (7, 1, 30.0)
     ledger.refuse(B)
-    assert ledger.history(seen, wall_now=130.0).outer_step == 5
+    assert ledger.history(seen, wall_now=130.0, now=130.0).outer_step == 5
     ledger.refuse(peers=["y", "me"])
-    assert ledger.history(seen, wall_now=130.0) is None and "me" not in ledger.distrusted
+    assert ledger.history(seen, wall_now=130.0, now=130.0) is None and "me" not in ledger.distrusted
 
 
 def test_a_former_groupmates_word_counts_first_until_it_is_distrusted():

@@ -6,6 +6,11 @@ records: a record seen once stands until it expires or its author replaces it, :
 
 * set-aside claims: a record that claims a state nobody served, or one this peer would not load on so few
   vouchers, until its author claims another step, this peer loads that state, or :data:`ASIDE_S` pass;
+* unserved claims: an identity whose claims of a state were asked for and served by nobody
+  :data:`UNSERVED_STRIKES` times in a row, with no state served by it since, is *struck* for
+  :data:`STRIKE_S`: its claims above this peer's step count nowhere, not in a plan and not in the run's
+  history (a liar that claims the run's next step at every step otherwise cost every peer a skipped round and a
+  failed download at every step, :data:`ASIDE_S` or not);
 * refused states: a state that failed the state check, for the rest of the run;
 * distrusted peers: identities that served a malformed or refused state, or that this peer's averager banned
   (malformed group data or parts, a reducer's wrong or two-faced result), for the rest of the run;
@@ -30,6 +35,11 @@ MAX_EXPIRED = 1024  # authors whose latest record a peer keeps, for the run's hi
 # again (left aside, the joiner and its company started a second history beside it, for good: the simulation's
 # seed 25), and a liar costs one failed download per ASIDE_S
 ASIDE_S = 30.0
+# unserved claims in a row after which an identity's claims above this peer's step count nowhere, and for how long
+# (DHT time): an honest peer frozen or busy when asked twice is asked again after STRIKE_S, and at once when another
+# identity claims the same state (a set-aside record still vouches for a state a live record claims too)
+UNSERVED_STRIKES = 2
+STRIKE_S = 300.0
 
 Seen = dict[str, tuple[PeerProgress, float]]  # peer ID -> its latest record seen, and when that record expires
 
@@ -74,11 +84,18 @@ class TrustLedger:
     refused_states: set[str] = field(default_factory=set)  # sha256 of states that failed the state check
     distrusted: set[str] = field(default_factory=set)  # served a malformed or refused state, or banned
     groupmates: set[str] = field(default_factory=set)  # averaged with this peer, or the run's bootstrap nodes
+    # peer ID -> its claims in a row that nobody served, and until when the last of them counts (DHT time)
+    unserved: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def counts(self, record: PeerProgress) -> bool:
         """Whether `record` is one this peer takes into account at all (its own always is)."""
         return record.peer_id == self.peer_id or (record.peer_id not in self.distrusted
                                                   and record.sha256 not in self.refused_states)
+
+    def struck(self, peer: str, now: float) -> bool:
+        """Whether `peer`'s claims above this peer's step count nowhere now (see the module)."""
+        count, until = self.unserved.get(peer, (0, 0.0))
+        return count >= UNSERVED_STRIKES and now < until
 
     def split(self, seen: Seen, now: float) -> tuple[dict[str, PeerProgress], dict[str, PeerProgress]]:
         """The live records (expiring after `now`, not LEFT) that a plan counts, and the live ones set aside.
@@ -88,8 +105,13 @@ class TrustLedger:
         identity claiming step 1 beside a run at step 0 stalled it for good (the simulation's seed 37). It
         counts again once it claims another step (an honest peer's next step), or after :data:`ASIDE_S`."""
         records, set_aside = {}, {}
+        own = seen.get(self.peer_id)
+        own_step = own[0].outer_step if own is not None else math.inf
         for record, expiration in seen.values():
             if expiration <= now or record.phase == LEFT or not self.counts(record):
+                continue
+            if record.outer_step > own_step and self.struck(record.peer_id, now):
+                set_aside[record.peer_id] = record
                 continue
             aside = self.unverified.get(record.peer_id)
             if aside is not None and aside[0] == record.outer_step and now < aside[2]:
@@ -99,10 +121,11 @@ class TrustLedger:
             records[record.peer_id] = record
         return records, set_aside
 
-    def history(self, seen: Seen, wall_now: float) -> Optional[RunHistory]:
+    def history(self, seen: Seen, wall_now: float, now: float) -> Optional[RunHistory]:
         """The latest outer step at which this peer has seen the run, from every record it read, of peers live,
         gone (LEFT) or whose record has expired since; this one's own and the loading ones left out (a loading
-        peer holds no state of that step yet), and those it no longer trusts; None if there is none."""
+        peer holds no state of that step yet), and those it no longer trusts or has struck at `now` (DHT time);
+        None if there is none."""
         held = [record for record, _ in seen.values()
                 if record.peer_id != self.peer_id and record.phase != LOADING and self.counts(record)]
         if not held:
@@ -111,16 +134,24 @@ class TrustLedger:
         at_step = [record for record in held if record.outer_step == step]
         return RunHistory(step, len(at_step), max(0.0, wall_now - max(record.time for record in at_step)))
 
-    def set_aside(self, claims: dict[str, tuple[int, str]], now: float) -> list[str]:
-        """Set these peers' claims (outer step, sha256) aside from `now` (DHT time); the peers set aside."""
+    def set_aside(self, claims: dict[str, tuple[int, str]], now: float, unserved: bool = False) -> list[str]:
+        """Set these peers' claims (outer step, sha256) aside from `now` (DHT time); the peers set aside.
+        `unserved`: nobody served the state they claim, a strike against each of them."""
         aside = [peer for peer in claims if peer != self.peer_id]
         self.unverified.update((peer, (*claims[peer], now + ASIDE_S)) for peer in aside)
+        if unserved:
+            for peer in aside:
+                self.unserved[peer] = (self.unserved.get(peer, (0, 0.0))[0] + 1, now + STRIKE_S)
         return aside
 
-    def served(self, outer_step: int, sha256: str) -> None:
-        """This peer holds the state (`outer_step`, `sha256`) now, checked: the claims of it count again."""
-        self.unverified = {peer: claim for peer, claim in self.unverified.items()
-                           if claim[:2] != (outer_step, sha256)}
+    def served(self, outer_step: int, sha256: str, donor: Optional[str] = None) -> None:
+        """This peer holds the state (`outer_step`, `sha256`) now, checked, served by `donor`: the claims of it
+        count again, and the unserved claims of the donor and of those claimants (they told the truth) are
+        forgiven."""
+        truthful = {peer for peer, claim in self.unverified.items() if claim[:2] == (outer_step, sha256)}
+        self.unverified = {peer: claim for peer, claim in self.unverified.items() if peer not in truthful}
+        for peer in truthful | {donor}:
+            self.unserved.pop(peer, None)
 
     def refuse(self, sha256: Optional[str] = None, peers: Iterable[str] = ()) -> None:
         """Refuse the state `sha256` and distrust `peers` for the rest of the run."""

@@ -165,22 +165,24 @@ class SwarmProgress:
         when their records expire, and take the run's next steps alone from its stale state, a second
         history (seen in CI: a peer whose round failed waited at outer step 1 while the two others took
         steps 2-4 and left; 12 s after, it took 2-4 alone)."""
-        return self.ledger.history(self._seen, time.time())
+        return self.ledger.history(self._seen, time.time(), get_dht_time())
 
-    def set_aside(self, claims: dict[str, tuple[int, str]], why: str = "no peer served that state") -> None:
+    def set_aside(self, claims: dict[str, tuple[int, str]], why: Optional[str] = None) -> None:
         """Ignore these peers' records while they claim the same outer step, for a while
-        (:class:`~p2p_diloco.protocol.ledger.TrustLedger`): nobody served their state, or `why` this peer would
-        not load it."""
-        for peer_id in self.ledger.set_aside(claims, get_dht_time()):
+        (:class:`~p2p_diloco.protocol.ledger.TrustLedger`): nobody served their state (`why` None: a strike against
+        each, as the ledger counts them), or `why` this peer would not load it."""
+        unserved = why is None
+        why = "no peer served that state" if unserved else why
+        for peer_id in self.ledger.set_aside(claims, get_dht_time(), unserved=unserved):
             logger.warning("setting aside the record of peer %s: it claims outer step %d (%s) but %s",
                            peer_id, claims[peer_id][0], claims[peer_id][1][:12], why)
 
-    def served(self, outer_step: int, sha256: str) -> None:
+    def served(self, outer_step: int, sha256: str, donor: Optional[str] = None) -> None:
         """This peer holds the state (`outer_step`, `sha256`) now, checked: the records set aside for claiming it
         count again. Only a keeper serves an unreachable peer's state (once that peer pushed it), so a joiner
         may set such records aside for a moment, then load their state from the keeper; left aside, they
         would hide its groupmates, and it would step alone: a second history of the run."""
-        self.ledger.served(outer_step, sha256)
+        self.ledger.served(outer_step, sha256, donor)
 
     def refuse(self, sha256: Optional[str] = None, peers: Sequence[str] = ()) -> None:
         """Ignore for the rest of the run every record that claims the state `sha256` (it failed the state

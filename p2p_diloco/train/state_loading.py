@@ -168,7 +168,7 @@ class StateLoading:
             self.inner.fast_forward_schedule(inner_steps)
             self.island.changed(self.inner.steps_done)
             self._after_state_change()
-        self.progress.served(outer_step, self.sha256)
+        self.progress.served(outer_step, self.sha256, details.get("donor"))
         self.progress.publish(self.global_model.outer_step, self.sha256, self.idle_phase)
         self.view.training(outer_step=self.global_model.outer_step, inner_steps=self.inner.steps_done)
         self.metrics.write("state_loaded", outer_step=outer_step, global_sha256=self.sha256, reason=reason,

@@ -142,7 +142,7 @@ class SimPeer:
         """The move before its next round (:func:`~p2p_diloco.protocol.decide.next_move`), from `records` and what
         its ledger holds now; a jump it declines has its claims set aside."""
         move = next_move(records, self.set_aside_records, self.peer_id, self.outer_step, self.sha256,
-                         self.ledger.history(self.seen, self.now), self.ledger.trusted_word(),
+                         self.ledger.history(self.seen, self.now, self.now), self.ledger.trusted_word(),
                          may_load)
         if move.declined is not None:
             self.log(f"not loading outer step {move.declined.target_step}: {move.vouch_counts}")
@@ -158,7 +158,10 @@ class SimPeer:
         state, donor = self.swarm.serve(target, self)
         if state is None:
             self.publish(self.outer_step, self.sha256, TRAINING)
-            self.ledger.set_aside(claims, self.now)
+            # a claimant past the target moved on meanwhile: not a claim nobody serves (state_transfer.nobody_serves)
+            moved_on = any(self.swarm.peers[peer].outer_step > target[0] for peer in claims if peer in self.swarm.peers
+                           and self.swarm.peers[peer].kind == HONEST)
+            self.ledger.set_aside(claims, self.now, unserved=not moved_on)
             self.log(f"nobody served outer step {target[0]}")
             return False
         forked = is_verifiable(self.outer_step, state.outer_step) and state.parent != self.sha256
@@ -167,10 +170,10 @@ class SimPeer:
             self.publish(self.outer_step, self.sha256, TRAINING)
             self.log(f"refused outer step {state.outer_step}: not a step from its state")
             return False
-        self.adopt(state, f"loaded from {donor}")
+        self.adopt(state, f"loaded from {donor}", donor)
         return True
 
-    def adopt(self, state: Any, how: str) -> None:
+    def adopt(self, state: Any, how: str, donor: Optional[str] = None) -> None:
         """Take `state` (a SimState of the run's registry) as its own: loaded, or the round it averaged in."""
         loaded = how.startswith("loaded")
         kept = loaded and keeps_work(self.outer_step, state.outer_step, self.work_sent)
@@ -185,7 +188,7 @@ class SimPeer:
             self.held_steps = 0
         self.work_sent = False
         self.last_progress = self.now
-        self.ledger.served(state.outer_step, state.sha256)
+        self.ledger.served(state.outer_step, state.sha256, donor)
         self.publish(self.outer_step, self.sha256, TRAINING)
         if loaded:
             self.log(f"{how}: now at {state.sha256[:8]}" + (f", keeping {self.held_steps} inner steps" if kept else ""))
@@ -234,7 +237,7 @@ class SimPeer:
         vote = plan_round(records, step, sha)
         if vote.action == LOAD:
             return f"skipped: {vote.reason}"
-        plan = plan_averaging(records, step, self.peer_id, DIRECT, self.ledger.history(self.seen, self.now))
+        plan = plan_averaging(records, step, self.peer_id, DIRECT, self.ledger.history(self.seen, self.now, self.now))
         if plan.action == "skip":
             return f"skipped: {plan.reason}"
         if plan.action == "alone":

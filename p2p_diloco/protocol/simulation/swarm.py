@@ -10,6 +10,7 @@ which voided a round above the limit instead of clipping it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import random
@@ -27,6 +28,7 @@ from p2p_diloco.protocol.simulation.peer import SimPeer
 from p2p_diloco.protocol.simulation.schedule import LIAR, Schedule
 from p2p_diloco.protocol.update_rule import APPLY, VOID, UpdateVerdict, exceeds_limit, judge_update
 from p2p_diloco.protocol.view import DIRECT, TRAINING, PeerProgress
+from p2p_diloco.sync.relay import RelayLayout
 from p2p_diloco.sync.robust import AggregationRule
 from p2p_diloco.train.outer import nesterov_step_
 
@@ -59,9 +61,27 @@ class SimSettings:
     liveness_bound_s: float = 75.0
     max_void_streak: int = 3
 
+    relay_group_size: int = 32  # swarm.relay_group_size: a round of more members travels through relays
+
     def round_duration(self, members: int) -> float:
-        """The all-reduce, the reports and the audit of a round of `members`."""
-        return 0.3 + 0.02 * members
+        """The all-reduce, the reports and the audit of a round of `members`: 0.3 s of payload, and 20 ms for each
+        peer a member talks to; a group larger than ``relay_group_size`` is laid out as the real round lays it out
+        (:class:`p2p_diloco.sync.relay.RelayLayout`), so a member talks to its group and its column only, and the
+        relayed share of the payload crosses two links."""
+        talks_to, relayed = relay_cost(members, self.relay_group_size)
+        return 0.3 * (1.0 + relayed) + 0.02 * talks_to
+
+
+@functools.lru_cache(maxsize=4096)
+def relay_cost(members: int, group_size: int) -> tuple[int, float]:
+    """For a round of `members` laid out in groups of `group_size` (:class:`~p2p_diloco.sync.relay.RelayLayout`):
+    how many peers a member talks to (``members`` in a flat round, as this model always counted it; G − 1 + k − 1
+    through relays, k the layout's groups) and the share of the payload that is relayed."""
+    layout = RelayLayout(tuple(range(members)), (True,) * members, group_size)
+    if layout.flat:
+        return members, 0.0
+    direct = group_size + layout.groups - 1  # its own group and its own column, itself once
+    return direct - 1, max(0.0, 1.0 - direct / members)
 
 
 @dataclass
