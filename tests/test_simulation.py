@@ -8,7 +8,7 @@ from p2p_diloco.protocol.plans import plan_averaging
 from p2p_diloco.protocol.simulation import peer as sim_peer
 from p2p_diloco.protocol.simulation.campaign import Trial, replay, run_trials, summary
 from p2p_diloco.protocol.simulation.invariants import ALONE_AHEAD, LIVENESS, ONE_STATE, UNCOMMITTED_LOAD, VOID_TRAP
-from p2p_diloco.protocol.simulation.schedule import SCENARIOS
+from p2p_diloco.protocol.simulation.schedule import LIAR, SCENARIOS
 from p2p_diloco.protocol.simulation.swarm import SimSettings
 
 pytestmark = pytest.mark.timeout(240)
@@ -54,12 +54,10 @@ SCENARIO_PROGRESS = {
     "joiner_while_the_run_steps": 6, "left_behind_after_the_run_left": 6, "slow_peer": 6, "kill_mid_round": 6,
     "liar_far_ahead": 6, "newcomers_after_the_last_peer_crashed": 6,
     "vote_tie_while_committing": 6,
-    # 75 steps without the liar: each of its claims counts again at the run's next step, every peer skips that
-    # round and asks for a state nobody serves (a defect the scenario shows, not fixed: keeping an unserved
-    # claimant aside at its next steps gave 60 steps here, but more forks in the random campaigns). 30-31 steps
-    # before the simulation had a commit window (0.5 s between a group's agreement and its state at t + 1) and
-    # kept the record stored last; 15-16 since, on the rules before the COMMITTING phase and after it alike
-    "liar_following_the_run": 12,
+    # each of the liar's claims counted again at the run's next step, and every peer skipped that round and asked
+    # for a state nobody serves: 15-16 steps in 180 s. Since two unserved claims in a row strike an identity
+    # (protocol/ledger.py), 57 (75 without the liar)
+    "liar_following_the_run": 40,
 }
 
 
@@ -68,6 +66,24 @@ def test_each_past_race_is_a_scenario_that_holds(name):
     report = Trial(0, 0, checked=(VOID_TRAP, ALONE_AHEAD, UNCOMMITTED_LOAD, ONE_STATE), scenario=name).run()
     assert not report.violations, "\n".join(replay(Trial(0, 0, scenario=name))[:60])
     assert report.honest_steps >= SCENARIO_PROGRESS[name]
+
+
+def test_sixteen_honest_peers_form_one_group_per_step():
+    """16 peers arriving together, 1 or 2 s apart, or minutes apart, with crashes, freezes and lagging reads: no
+    step gets two states. Before a READY record named the leader its author asks first, peers that planned later
+    than the first (joiners that loaded the step, peers that waited longer) ranked another leader first and formed
+    a second group at the step (seed 8); a group left behind waited out its leaders together and committed a step
+    the run had left (seed 39). A schedule with a liar is checked for the CI invariants only: a joiner that sees
+    one honest peer ahead and a liar's claim beside it (one voucher each) still trusts neither (a known defect,
+    docs/benchmarks.md)."""
+    schedules = [Trial(seed, 16) for seed in range(24)]
+    trials = [Trial(t.seed, 16, checked=CHECKED + (() if any(p.kind == LIAR for p in t.schedule().peers)
+                                                   else (ONE_STATE,)))
+              for t in schedules]
+    reports = run_trials(trials, workers=2)
+    found = summary(reports)
+    assert found["violations"] == 0, f"{found}\n{_explain(trials, reports)}"
+    assert found["outer_steps_mean"] > 10
 
 
 def test_a_seed_replays_exactly():
