@@ -108,7 +108,8 @@ def test_an_identity_whose_claims_nobody_served_twice_counts_nowhere_ahead_until
     """A liar that claims the run's next step at every step: each new step's claim counted again (its author moved
     on), and every peer skipped the round and failed a download, step after step (the simulation's
     `liar_following_the_run`). Two unserved claims in a row strike it for STRIKE_S: above this peer's step its
-    records count in no plan and no history; at or below, they still do."""
+    records count in no plan; at or below, they still do. The run's history still counts them: left out, a peer
+    alone stepped alone beside an honest peer struck for a freeze (the simulation, 3 peers x 200 seeds)."""
     ledger = TrustLedger("me")
     seen = {"me": (rec("me", 3), math.inf), "x": (rec("x", 4, sha=B), 1000.0)}
     ledger.set_aside({"x": (4, B)}, now=0.0, unserved=True)
@@ -119,7 +120,7 @@ def test_an_identity_whose_claims_nobody_served_twice_counts_nowhere_ahead_until
     seen["x"] = (rec("x", 6, sha=B), 1000.0)
     records, aside = ledger.split(seen, now=3.0)
     assert ledger.struck("x", 3.0) and set(records) == {"me"} and set(aside) == {"x"}
-    assert ledger.history(seen, 3.0, 3.0) is None
+    assert ledger.history(seen, 3.0, 3.0).outer_step == 6
     seen["x"] = (rec("x", 3, sha=A), 1000.0)  # at this peer's step it is a peer like any other
     assert "x" in ledger.split(seen, now=3.0)[0]
     seen["x"] = (rec("x", 6, sha=B), 1000.0)
