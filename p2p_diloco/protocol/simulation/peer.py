@@ -191,7 +191,8 @@ class SimPeer:
         self.ledger.served(state.outer_step, state.sha256, donor)
         self.publish(self.outer_step, self.sha256, TRAINING)
         if loaded:
-            self.log(f"{how}: now at {state.sha256[:8]}" + (f", keeping {self.held_steps} inner steps" if kept else ""))
+            kept_steps = f", keeping {self.held_steps} inner steps" if kept and self.held_steps else ""
+            self.log(f"{how}: now at {state.sha256[:8]}{kept_steps}")
 
     # ----- a round ------------------------------------------------------------------------------
     def train(self, steps: int) -> None:
