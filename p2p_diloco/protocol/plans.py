@@ -120,8 +120,8 @@ def behind_alone(own_step: int, history: Optional[RunHistory], records: Mapping[
 
 def keeps_work(own_step: int, target_step: int, work_sent: bool) -> bool:
     """Whether a peer that loads the state at `target_step` keeps its unsynced inner steps, rebased onto the
-    loaded θ_global (θ_local ← θ_global' − Δ, so its pseudo-gradient Δ = θ_global − θ_local is the same), instead
-    of dropping them with its old state.
+    loaded θ_global (θ_local ← θ_global' − Δ: its pseudo-gradient Δ = θ_global − θ_local is the same), instead of
+    dropping them with its old state.
 
     It keeps them when none of them went into a round that moved tensors and then failed (`work_sent`: another
     member may have committed that round, so the loaded state may hold them already, and a kept Δ would count

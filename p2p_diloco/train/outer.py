@@ -109,8 +109,8 @@ class GlobalModel:
     @torch.no_grad()
     def rebase(self, local_params: Sequence[torch.Tensor], indices: Sequence[int],
                pseudo_gradient: Sequence[torch.Tensor]) -> None:
-        """θ_local ← θ_global − Δ at `indices`: the pseudo-gradient Δ (:meth:`pseudo_gradient`, taken against the
-        state this peer held before) moved onto this θ_global, a state it loaded
+        """θ_local ← θ_global − Δ at `indices`: the pseudo-gradient Δ (:meth:`pseudo_gradient`, taken against
+        the state this peer held before) moved onto this θ_global, a state it loaded
         (:func:`p2p_diloco.protocol.plans.keeps_work`)."""
         self._transfer(local_params, indices).scatter(
             [self.params[i] - delta for i, delta in zip(indices, pseudo_gradient)],

@@ -125,8 +125,10 @@ class RoundSync:
                 logger.info("outer step %d: %d peer(s) ready to average; leader %s", step + 1, membership.expected,
                             " then ".join(leader[-8:] for leader in membership.leaders))
             try:
+                planned = membership  # this attempt's: the left-behind check counts its members
                 result = self.sync.average(to_send, samples, step, global_sha256, fragment, stop=self.stop_event,
-                                           membership=membership, left_behind=lambda: self._went_on_without(step, membership))
+                                           membership=membership,
+                                           left_behind=lambda: self._went_on_without(step, planned))
                 result.attempt = attempt
                 result.phases = dict(wait=waited_s, **result.phases)
                 return SyncOutcome(result, failed_attempts=failed)
