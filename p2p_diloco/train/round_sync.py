@@ -133,9 +133,13 @@ class RoundSync:
                 result.phases = dict(wait=waited_s, **result.phases)
                 return SyncOutcome(result, failed_attempts=failed)
             except LeftBehind:
+                # its Δ may have travelled all the same: hivemind looks at a cancel only once its matchmaking returns,
+                # so a group matched an instant before the cancel runs its all-reduce with this peer's parts (seen
+                # under a busy core: "Can't set_result to a future that is CANCELLED"), and the state this peer
+                # loads next may hold them (protocol.plans.keeps_work)
                 return SyncOutcome(event="round_skipped", reason=f"the peers at outer step {step} averaged without "
                                                                  f"this peer while it was matching; catching up",
-                                   failed_attempts=failed, tensors_touched=touched)
+                                   failed_attempts=failed, tensors_touched=True)
             except RoundFailed as e:  # with what the user can do about it, where there is something
                 touched = touched or e.tensors_touched
                 if not e.tensors_touched or attempt == self.attempts or self.stop_event.is_set():

@@ -8,7 +8,8 @@
 * **only committed states are loaded**: no honest peer loads a state that honest peers did not commit;
 * **live**: once faults stop, every live honest peer takes (or loads) an outer step within `liveness_bound_s`;
 * **no lost work**: no trained samples are lost except by a crash: a load keeps the inner steps a peer held
-  (:func:`~p2p_diloco.protocol.plans.keeps_work`) unless they went into a round that lost a member;
+  (:func:`~p2p_diloco.protocol.plans.keeps_work`) unless they went into a round that lost a member (the crash's
+  cost) or a group that went on while the peer matched (counted: hivemind may have run that group with them);
 * **no trap**: no honest peer has more than `max_void_streak` void rounds in a row.
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from p2p_diloco.protocol.simulation.peer import LOST_MEMBER
 
 ONE_STATE, ALONE_AHEAD, UNCOMMITTED_LOAD, LIVENESS, LOST_WORK, VOID_TRAP = (
     "one_state_per_step", "alone_while_ahead", "uncommitted_load", "liveness", "lost_work", "void_trap")
@@ -73,7 +76,7 @@ class Invariants:
         if state.outer_step > 0 and not state.committed_by:
             self.breach(UNCOMMITTED_LOAD, peer.peer_id, f"adopted {state.sha256[:8]} at {state.outer_step}, which no "
                                                         f"honest peer committed")
-        if loaded and not kept and peer.held_samples and not peer.work_sent:  # sent: lost with a crashed member
+        if loaded and not kept and peer.held_samples and peer.work_sent != LOST_MEMBER:  # that one: lost to a crash
             self.breach(LOST_WORK, peer.peer_id, f"a load to outer step {state.outer_step} dropped "
                                                  f"{peer.held_samples} trained samples")
 

@@ -43,6 +43,7 @@ WAIT_POLL_S = 0.5  # how often a ready peer reads whether its groupmates are (wa
 SILENT_CHECK_S, SILENT_MISSES = 2.0, 2  # SilentPeers: a busy peer that does not answer twice, 2 s apart, is gone
 ROUND_POLL_S = 0.2  # how often a matching member looks at its round
 LEFT_BEHIND_POLL_S = 1.0  # outer_sync.LEFT_BEHIND_POLL_S
+LOST_MEMBER, LEFT_BEHIND = "lost member", "left behind"  # SimPeer.work_sent
 
 
 @dataclass
@@ -79,7 +80,9 @@ class SimPeer:
     leave_at: float = math.inf
     left: bool = False
     attempts_at: tuple[int, int] = (-1, 0)
-    work_sent: bool = False  # its held Δ went into a round that moved tensors and failed (keeps_work)
+    # why its held Δ may be in a state it did not commit (keeps_work then drops it on a load): LOST_MEMBER, its Δ
+    # travelled in a round that lost a member; LEFT_BEHIND, its group went on while it matched; "" none
+    work_sent: str = ""
     events: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -176,7 +179,7 @@ class SimPeer:
     def adopt(self, state: Any, how: str, donor: Optional[str] = None) -> None:
         """Take `state` (a SimState of the run's registry) as its own: loaded, or the round it averaged in."""
         loaded = how.startswith("loaded")
-        kept = loaded and keeps_work(self.outer_step, state.outer_step, self.work_sent)
+        kept = loaded and keeps_work(self.outer_step, state.outer_step, bool(self.work_sent))
         self.swarm.invariants.on_adopt(self, state, loaded, kept)
         if loaded and not kept:
             self.counts.samples_dropped += self.held_samples
@@ -186,7 +189,7 @@ class SimPeer:
         if not kept:  # its Δ moves onto the loaded state as it is (rebased), or goes with the old one
             self.delta = torch.zeros_like(self.delta)
             self.held_steps = 0
-        self.work_sent = False
+        self.work_sent = ""
         self.last_progress = self.now
         self.ledger.served(state.outer_step, state.sha256, donor)
         self.publish(self.outer_step, self.sha256, TRAINING)
@@ -252,14 +255,15 @@ class SimPeer:
             if membership is not None and self.own.leader != membership.leaders[0]:  # SwarmProgress.asking
                 self.publish(step, sha, READY, self.held_samples, membership.leaders[0])
             outcome = yield from self.average(step, sha, membership)
-            if outcome == "left behind":
+            if outcome == "left behind":  # as the real peer counts it: hivemind may still run that group with it
+                self.work_sent = LEFT_BEHIND
                 return "skipped: its group averaged without it"
             if outcome is None:
                 return "failed: no leader took it in"
             if outcome.mean is not None:
                 yield from self.committing(step, sha)
                 return self.apply(self.swarm.commit(outcome, step, sha), f"averaged in {len(outcome.members)}")
-            self.work_sent = True  # its Δ travelled in a round that failed: a state may hold it
+            self.work_sent = LOST_MEMBER  # its Δ travelled in a round that failed: a state may hold it
             if attempt == settings.attempts:
                 return f"failed: members lost: {outcome.failed}"
             records = {p: r for p, r in self.fetch().items() if p not in outcome.failed or self.swarm.answers(p)}
