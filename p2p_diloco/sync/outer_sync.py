@@ -458,14 +458,20 @@ class OuterSync:
 
     def _wait(self, control, should_stop: Callable[[], bool], left_behind: Callable[[], bool], deadline: float,
               times: RoundTimes):
-        """Wait for the round, polling `should_stop` so that Ctrl+C cancels it within a second, and until the
-        all-reduce begins, `left_behind` once a second; `times` gets the moment the group was seen formed."""
+        """Wait for the round, polling `should_stop` so that Ctrl+C cancels it within a second, and until its
+        group has formed, `left_behind` once a second; `times` gets the moment the group was seen formed.
+
+        Not after the group formed: hivemind looks at a cancel only once its matchmaking returns, so a cancel just
+        after a group was matched did not stop its all-reduce, and this peer's parts went into a round it had
+        given up on (under a busy core, "Can't set_result to a future that is CANCELLED"); its averager, still in
+        that round, then queued its next matchmaking behind it ("Another look_for_group is already in progress"),
+        and a late joiner missed round after round (tests/test_library.py, 2 runs of 28 beside a busy core)."""
         next_look = time.monotonic()
         while True:
             times.look(control)
             if should_stop() and control.cancel():
                 raise RoundFailed("cancelled: this peer is stopping", tensors_touched=control.began_allreduce)
-            if not control.began_allreduce and time.monotonic() >= next_look:
+            if control.stage not in ASSEMBLED and not control.began_allreduce and time.monotonic() >= next_look:
                 next_look = time.monotonic() + LEFT_BEHIND_POLL_S
                 if left_behind() and control.cancel():  # cancel() refuses once the all-reduce has begun
                     raise LeftBehind()
