@@ -121,6 +121,15 @@ def own_processes() -> set[int]:
     return {pid for pid in without_torch_shm_manager(descendant_pids(os.getpid())) if is_running(pid)}
 
 
+def started_since(before: set[int]) -> set[int]:
+    """The processes running under this one that were not in `before`, nor under one of those: an example process
+    started earlier starts its own DHT and averager meanwhile, and those are not the library peer's."""
+    theirs = set(before)
+    for pid in before:
+        theirs.update(descendant_pids(pid))
+    return own_processes() - theirs
+
+
 def test_leaving_the_with_block_mid_sync_exits_cleanly(processes, tmp_path):
     """The sync runs beside the next inner steps (the default outer.sync_delay, 10 of them; the example's too, or
     the two would not share a fingerprint): the loop leaves as soon as its Δ went to the sync, whose all-reduce
@@ -136,7 +145,7 @@ def test_leaving_the_with_block_mid_sync_exits_cleanly(processes, tmp_path):
                                sync_every=20, wait_for_peers=2)
     with diloco:
         assert diloco.peer_id and diloco.outer_step == 0
-        started = own_processes() - before
+        started = started_since(before)
         assert started, "the peer started no DHT or averager process"
         for _ in range(20):  # the 20th step's Δ went to the sync, which runs while the loop takes its next steps
             x = torch.randn(32, 16)
