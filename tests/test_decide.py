@@ -22,7 +22,7 @@ def decide(records, now=0.0, ledger=None, expires=None, **options):
     seen = {r.peer_id: (r, math.inf if r.peer_id == "me" else (expires or {}).get(r.peer_id, TTL)) for r in records}
     live, set_aside = ledger.split(seen, now)
     own = seen["me"][0]
-    return next_move(live, set_aside, "me", own.outer_step, own.sha256, ledger.history(seen, now, now), **options)
+    return next_move(live, set_aside, "me", own.outer_step, own.sha256, ledger.history(seen, now), **options)
 
 
 def test_in_step_with_the_run_it_trains():

@@ -115,12 +115,12 @@ def test_an_identity_whose_claims_nobody_served_twice_counts_nowhere_ahead_until
     ledger.set_aside({"x": (4, B)}, now=0.0, unserved=True)
     assert not ledger.struck("x", 1.0)
     seen["x"] = (rec("x", 5, sha=A), 1000.0)  # it moved on: the aside is over, and its next claim counts
-    assert "x" in ledger.split(seen, now=2.0)[0] and ledger.history(seen, 2.0, 2.0).outer_step == 5
+    assert "x" in ledger.split(seen, now=2.0)[0] and ledger.history(seen, 2.0).outer_step == 5
     ledger.set_aside({"x": (5, A)}, now=2.0, unserved=True)  # nobody served that one either
     seen["x"] = (rec("x", 6, sha=B), 1000.0)
     records, aside = ledger.split(seen, now=3.0)
     assert ledger.struck("x", 3.0) and set(records) == {"me"} and set(aside) == {"x"}
-    assert ledger.history(seen, 3.0, 3.0).outer_step == 6
+    assert ledger.history(seen, 3.0).outer_step == 6
     seen["x"] = (rec("x", 3, sha=A), 1000.0)  # at this peer's step it is a peer like any other
     assert "x" in ledger.split(seen, now=3.0)[0]
     seen["x"] = (rec("x", 6, sha=B), 1000.0)
@@ -142,12 +142,12 @@ def test_refused_states_and_distrusted_peers_count_nowhere_but_history_outlives_
     ledger = TrustLedger("me")
     seen = {"x": (rec("x", 7, sha=B, at=100.0), 50.0), "y": (rec("y", 5, at=90.0), 500.0),
             "z": (rec("z", 9, LOADING, at=100.0), 500.0)}
-    history = ledger.history(seen, wall_now=130.0, now=130.0)  # x's record expired: the run was seen at 7 all the same
+    history = ledger.history(seen, wall_now=130.0)  # x's record expired: the run was seen at 7 all the same
     assert (history.outer_step, history.peers, history.age_s) == (7, 1, 30.0)
     ledger.refuse(B)
-    assert ledger.history(seen, wall_now=130.0, now=130.0).outer_step == 5
+    assert ledger.history(seen, wall_now=130.0).outer_step == 5
     ledger.refuse(peers=["y", "me"])
-    assert ledger.history(seen, wall_now=130.0, now=130.0) is None and "me" not in ledger.distrusted
+    assert ledger.history(seen, wall_now=130.0) is None and "me" not in ledger.distrusted
 
 
 def test_a_former_groupmates_word_counts_first_until_it_is_distrusted():

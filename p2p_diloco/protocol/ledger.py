@@ -8,8 +8,8 @@ records: a record seen once stands until it expires or its author replaces it, :
   vouchers, until its author claims another step, this peer loads that state, or :data:`ASIDE_S` pass;
 * unserved claims: an identity whose claims of a state were asked for and served by nobody
   :data:`UNSERVED_STRIKES` times in a row, with no state served by it since, is *struck* for
-  :data:`STRIKE_S`: its claims above this peer's step count nowhere, not in a plan and not in the run's
-  history (a liar that claims the run's next step at every step otherwise cost every peer a skipped round and a
+  :data:`STRIKE_S`: its claims above this peer's step count in no plan, though still in the run's history (a
+  liar that claims the run's next step at every step otherwise cost every peer a skipped round and a
   failed download at every step, :data:`ASIDE_S` or not);
 * refused states: a state that failed the state check, for the rest of the run;
 * distrusted peers: identities that served a malformed or refused state, or that this peer's averager banned
@@ -121,11 +121,11 @@ class TrustLedger:
             records[record.peer_id] = record
         return records, set_aside
 
-    def history(self, seen: Seen, wall_now: float, now: float) -> Optional[RunHistory]:
+    def history(self, seen: Seen, wall_now: float) -> Optional[RunHistory]:
         """The latest outer step at which this peer has seen the run, from every record it read, of peers live,
         gone (LEFT) or whose record has expired since; this one's own and the loading ones left out (a loading
-        peer holds no state of that step yet), and those it no longer trusts or has struck at `now` (DHT time);
-        None if there is none."""
+        peer holds no state of that step yet), and those it no longer trusts (a struck identity still counts here:
+        left out, a peer alone stepped alone beside an honest peer struck for a freeze); None if there is none."""
         held = [record for record, _ in seen.values()
                 if record.peer_id != self.peer_id and record.phase != LOADING and self.counts(record)]
         if not held:

@@ -125,8 +125,9 @@ def keeps_work(own_step: int, target_step: int, work_sent: bool) -> bool:
 
     It keeps them when none of them went into a round that moved tensors and then failed, or into a group that went
     on while this peer matched (`work_sent`: another member may have committed that round with them, so the loaded
-    state may hold them already, and a kept Δ would count twice) and the state is at its own step (a vote it lost) or the next (a round it missed: left behind, late,
-    or a joiner whose first inner steps the run's step overtook). Its Δ is then at most one outer step stale,
+    state may hold them already, and a kept Δ would count twice), and the state is at its own step (a vote it lost)
+    or the next (a round it missed: left behind, late, or a joiner whose first inner steps the run's step
+    overtook). Its Δ is then at most one outer step stale,
     the delay that Streaming DiLoCo's overlapped outer step already applies to every Δ (arXiv 2501.18512, §2.2,
     τ > 0). A longer jump drops them: a Δ from several outer steps back points where the run no longer is.
     Dropped, they were 97 % of the samples the simulation's loads lost (16 peers, 20 seeds)."""

@@ -165,7 +165,7 @@ class SwarmProgress:
         when their records expire, and take the run's next steps alone from its stale state, a second
         history (seen in CI: a peer whose round failed waited at outer step 1 while the two others took
         steps 2-4 and left; 12 s after, it took 2-4 alone)."""
-        return self.ledger.history(self._seen, time.time(), get_dht_time())
+        return self.ledger.history(self._seen, time.time())
 
     def set_aside(self, claims: dict[str, tuple[int, str]], why: Optional[str] = None) -> None:
         """Ignore these peers' records while they claim the same outer step, for a while

@@ -1,10 +1,11 @@
 """Simulated averaging rounds: groups that form from each member's membership plan, and what they produce.
 
 A member asks the leaders of its plan (:func:`p2p_diloco.protocol.membership.plan_membership`) in order. A
-round is keyed by (outer step, θ_global, leader): it opens when its first member arrives and starts once every
-member of the opener's plan has joined, or a window after it opened (hivemind's matchmaking as
-:mod:`p2p_diloco.sync.membership` drives it). A member whose leader is dead, frozen, on the other side of a
-partition, or whose round has already started, asks the next leader a window later; with no leader left the
+round is keyed by (outer step, θ_global, leader): it opens when its first member arrives, and once the leader
+itself comes it starts when every member of the opener's plan has joined, or a window after the leader came
+(hivemind's matchmaking as :mod:`p2p_diloco.sync.membership` drives it). A member whose leader is dead, frozen, on
+the other side of a partition, a member of another's round, not come within a window, or whose round has already
+started, asks the next leader; with no leader left the
 attempt fails before any tensor moved. A round that started ends `duration` later: if every member is still
 there, with the group's aggregate under the run's robust rule (:func:`p2p_diloco.sync.robust.aggregate`, the
 real one, on small pseudo-gradients); else void for every survivor, who learn it `failure_detection_s` later
@@ -28,7 +29,6 @@ class SimRound:
     sha256: str
     leader: str
     planned: frozenset[str]  # the opener's plan
-    opened: float  # when its first member asked
     parts: dict[str, tuple[torch.Tensor, float]] = field(default_factory=dict)  # member -> (what it sends, claim)
     leading: Optional[float] = None  # when the leader itself came: it takes members from then on
     started: Optional[float] = None
@@ -75,7 +75,7 @@ class SimAverager:
         if found is not None and found.started is not None and now < found.ends:
             return None  # its round runs: too late to join
         if found is None or found.started is not None:  # none yet, or the last one is over: the leader opens one
-            found = self.rounds[key] = SimRound(step, sha256, leader, planned, now)
+            found = self.rounds[key] = SimRound(step, sha256, leader, planned)
         found.parts[peer] = (part, claim)
         self.member_of[peer] = found
         if peer == leader and found.leading is None:

@@ -145,7 +145,7 @@ class SimPeer:
         """The move before its next round (:func:`~p2p_diloco.protocol.decide.next_move`), from `records` and what
         its ledger holds now; a jump it declines has its claims set aside."""
         move = next_move(records, self.set_aside_records, self.peer_id, self.outer_step, self.sha256,
-                         self.ledger.history(self.seen, self.now, self.now), self.ledger.trusted_word(),
+                         self.ledger.history(self.seen, self.now), self.ledger.trusted_word(),
                          may_load)
         if move.declined is not None:
             self.log(f"not loading outer step {move.declined.target_step}: {move.vouch_counts}")
@@ -241,7 +241,7 @@ class SimPeer:
         vote = plan_round(records, step, sha)
         if vote.action == LOAD:
             return f"skipped: {vote.reason}"
-        plan = plan_averaging(records, step, self.peer_id, DIRECT, self.ledger.history(self.seen, self.now, self.now))
+        plan = plan_averaging(records, step, self.peer_id, DIRECT, self.ledger.history(self.seen, self.now))
         if plan.action == "skip":
             return f"skipped: {plan.reason}"
         if plan.action == "alone":
