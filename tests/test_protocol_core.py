@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from p2p_diloco.protocol.ledger import ASIDE_S, STRIKE_S, TrustLedger, merge_seen
+from p2p_diloco.protocol.ledger import ASIDE_S, STRIKE_S, STRUCK_IN_HISTORY_S, TrustLedger, merge_seen
 from p2p_diloco.protocol.phases import TRANSITIONS, IllegalTransition, Phase, check_transition
 from p2p_diloco.protocol.plans import keeps_work, plan_averaging
 from p2p_diloco.protocol.view import (
@@ -148,6 +148,60 @@ def test_refused_states_and_distrusted_peers_count_nowhere_but_history_outlives_
     assert ledger.history(seen, wall_now=130.0).outer_step == 5
     ledger.refuse(peers=["y", "me"])
     assert ledger.history(seen, wall_now=130.0) is None and "me" not in ledger.distrusted
+
+
+def test_a_claim_nobody_served_once_still_counts_and_is_asked_for_again():
+    """Set aside at the first unserved ask, a frozen donor's claim left its joiners training together: a second
+    history (the simulation, 4 peers, seed 25). One unserved ask is a strike, no more."""
+    ledger = TrustLedger("me")
+    seen = {"me": (rec("me", 0), math.inf), "x": (rec("x", 20, sha=B), 1000.0)}
+    assert ledger.set_aside({"x": (20, B)}, now=0.0, unserved=True) == []  # nothing set aside yet
+    assert "x" in ledger.split(seen, now=1.0)[0] and not ledger.struck("x", 1.0)
+    assert ledger.set_aside({"x": (20, B)}, now=6.0, unserved=True) == ["x"]  # the second: struck
+    assert "x" in ledger.split(seen, now=7.0)[1]
+    ledger.served(20, B, donor="y")  # another donor served the state it claimed: it told the truth
+    assert not ledger.struck("x", 8.0) and "x" in ledger.split(seen, now=8.0)[0]
+
+
+def test_a_struck_live_identity_leaves_the_history_after_the_grace_and_a_gone_one_never():
+    """A liar claiming the step after a lone peer's held it back for good (the simulation, 3 peers, seed 166). A
+    struck identity whose record stays live leaves the run's history after `history_grace_s` (at least the records'
+    TTL: a crashed peer's record has expired by then); a gone peer's claim stays in it (catch_up: a run whose peers
+    all left waits for them)."""
+    ledger = TrustLedger("me", history_grace_s=STRUCK_IN_HISTORY_S)
+    seen = {"me": (rec("me", 6), math.inf), "liar": (rec("liar", 7, sha=B), math.inf),
+            "gone": (rec("gone", 5, sha=B), 30.0)}
+    for now in (0.0, 5.0):
+        ledger.set_aside({"liar": (7, B)}, now=now, unserved=True)
+    assert ledger.history(seen, wall_now=5.0 + STRUCK_IN_HISTORY_S - 1).outer_step == 7  # a freeze: still waited on
+    assert ledger.history(seen, wall_now=5.0 + STRUCK_IN_HISTORY_S).outer_step == 5  # the liar is out of it
+    ledger.set_aside({"gone": (5, B)}, now=10.0, unserved=True)
+    ledger.set_aside({"gone": (5, B)}, now=15.0, unserved=True)
+    assert ledger.history(seen, wall_now=200.0).outer_step == 5  # expired: a gone peer's claim stays
+
+
+def test_a_silent_peer_counts_in_no_plan_until_it_writes_again():
+    """A crashed member's READY record stood until it expired, and every round planned with it failed to form for
+    60 s (the simulation, 3 peers, seed 156): a peer that does not answer counts nowhere until its next record."""
+    ledger = TrustLedger("me")
+    seen = {"me": (rec("me", 26, READY), math.inf), "x": (rec("x", 26, READY, at=5.0), 60.0)}
+    ledger.found_silent({"x": seen["x"][0], "me": seen["me"][0]}, ["x", "me"])  # never itself
+    records, aside = ledger.split(seen, now=10.0)
+    assert set(records) == {"me"} and not aside
+    assert ledger.history(seen, wall_now=10.0).outer_step == 26  # the run's history still has it
+    seen["x"] = (rec("x", 26, TRAINING, at=20.0), 80.0)  # it wrote again: it is back
+    assert set(ledger.split(seen, now=21.0)[0]) == {"me", "x"}
+
+
+def test_a_peer_at_this_step_whose_state_lost_the_vote_is_no_groupmate():
+    """A liar at a lone peer's step with another state, which the vote gives to the lone peer's: planned as a
+    groupmate it never came, and the lone peer failed every round for good (the simulation, 3 peers, seed 128)."""
+    lone = {"me": rec("me", 26, READY, sha=B), "liar": rec("liar", 26, READY, sha=A)}  # B > A: the vote is B's
+    assert plan_averaging(lone, 26, "me", DIRECT).action == "alone"
+    mates = {**lone, "y": rec("y", 26, READY, sha=B)}
+    assert plan_averaging(mates, 26, "me", DIRECT).action == "average"
+    behind = {**lone, "z": rec("z", 25, TRAINING, sha=A)}  # a peer behind still keeps it from stepping alone
+    assert plan_averaging(behind, 26, "me", DIRECT).action == "skip"
 
 
 def test_a_former_groupmates_word_counts_first_until_it_is_distrusted():

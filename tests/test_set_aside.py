@@ -31,7 +31,8 @@ def test_a_set_aside_claim_counts_again_once_this_peer_holds_its_state_or_its_au
         theirs.publish(4, sha("step 4"), TRAINING)
         wait_until(lambda: len(mine.fetch()) == 2, 30, "both progress records")
 
-        mine.set_aside({author: (4, sha("step 4"))})
+        declined = "this peer does not take that jump on so few vouchers"
+        mine.set_aside({author: (4, sha("step 4"))}, declined)
         assert author not in mine.fetch() and author in mine.set_aside_records
 
         mine.served(4, sha("another step 4"))  # another state: the claim stays aside
@@ -39,7 +40,15 @@ def test_a_set_aside_claim_counts_again_once_this_peer_holds_its_state_or_its_au
         mine.served(4, sha("step 4"))
         assert mine.fetch()[author].sha256 == sha("step 4") and not mine.set_aside_records
 
+        # a claim nobody served is a strike, and is asked for again; the second in a row sets it aside
         mine.set_aside({author: (4, sha("step 4"))})
+        assert author in mine.fetch()
+        mine.set_aside({author: (4, sha("step 4"))})
+        assert author not in mine.fetch() and author in mine.set_aside_records
+        mine.served(4, sha("step 4"))  # served after all: forgiven
+        assert author in mine.fetch()
+
+        mine.set_aside({author: (4, sha("step 4"))}, declined)
         theirs.publish(5, sha("step 5"), TRAINING)  # its author moved on: its new claim counts
         wait_until(lambda: author in mine.fetch() and mine.fetch()[author].outer_step == 5, 30, "the new claim")
 

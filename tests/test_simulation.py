@@ -7,15 +7,18 @@ from p2p_diloco.protocol import decide
 from p2p_diloco.protocol.plans import plan_averaging
 from p2p_diloco.protocol.simulation import peer as sim_peer
 from p2p_diloco.protocol.simulation.campaign import Trial, replay, run_trials, summary
-from p2p_diloco.protocol.simulation.invariants import ALONE_AHEAD, LIVENESS, ONE_STATE, UNCOMMITTED_LOAD, VOID_TRAP
+from p2p_diloco.protocol.simulation.invariants import (
+    ALONE_AHEAD, INVARIANTS, LIVENESS, ONE_STATE, UNCOMMITTED_LOAD, VOID_TRAP,
+)
 from p2p_diloco.protocol.simulation.schedule import LIAR, SCENARIOS
 from p2p_diloco.protocol.simulation.swarm import SimSettings
 
 pytestmark = pytest.mark.timeout(240)
 
-# what today's core guarantees on every schedule; the other invariants (one state per step, liveness under a
-# liar, no work lost to a load) are counted and reported by benchmarks/simulate.py: defects found, not yet fixed
-CHECKED = (VOID_TRAP, ALONE_AHEAD, UNCOMMITTED_LOAD)
+# every invariant, on every schedule of 3 peers, liars and scalers included (what is counted apart: a partition's
+# fork, a wait on a history whose every holder crashed, the stale Δ a jump drops); the forks that larger swarms
+# still show are counted and reported by benchmarks/simulate.py (docs/benchmarks.md)
+CHECKED = INVARIANTS
 SEEDS = 200
 VOID_RULE = SimSettings(update_check="void")  # the update check before issue 42
 
@@ -73,12 +76,11 @@ def test_sixteen_honest_peers_form_one_group_per_step():
     step gets two states. Before a READY record named the leader its author asks first, peers that planned later
     than the first (joiners that loaded the step, peers that waited longer) ranked another leader first and formed
     a second group at the step (seed 8); a group left behind waited out its leaders together and committed a step
-    the run had left (seed 39). A schedule with a liar is checked for the CI invariants only: a joiner that sees
-    one honest peer ahead and a liar's claim beside it (one voucher each) still trusts neither (a known defect,
-    docs/benchmarks.md)."""
+    the run had left (seed 39). A schedule with a liar is checked for every invariant but one state per step: among
+    16 peers a liar's claims still split a step now and then (a known defect, docs/benchmarks.md)."""
     schedules = [Trial(seed, 16) for seed in range(24)]
-    trials = [Trial(t.seed, 16, checked=CHECKED + (() if any(p.kind == LIAR for p in t.schedule().peers)
-                                                   else (ONE_STATE,)))
+    with_liar = tuple(name for name in INVARIANTS if name != ONE_STATE)
+    trials = [Trial(t.seed, 16, checked=with_liar if any(p.kind == LIAR for p in t.schedule().peers) else INVARIANTS)
               for t in schedules]
     reports = run_trials(trials, workers=2)
     found = summary(reports)

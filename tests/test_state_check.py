@@ -6,7 +6,7 @@ import torch
 from p2p_diloco.schedule import FragmentSchedule
 from p2p_diloco.swarm.progress import LOADING, READY, TRAINING, PeerProgress
 from p2p_diloco.train.outer import GlobalModel
-from p2p_diloco.protocol.trust import choose_target, unverified_step_trusted
+from p2p_diloco.protocol.trust import choose_target, moved_past, unverified_step_trusted
 from p2p_diloco.train.state_check import step_problem
 from tests.conftest import tiny_config
 
@@ -215,3 +215,17 @@ def test_a_failed_step_is_taken_only_on_more_than_one_identitys_word():
     records["b"] = rec("b", 4, "aa")
     records["e"] = rec("e", 4, "aa")
     assert not unverified_step_trusted(records, "me", 4, "aa", (5, "cc"))
+
+
+def test_the_run_moved_past_a_step_only_by_a_state_this_peer_would_load():
+    """A round at a step is over once a state above it is one this peer would load (choose_target). One liar's
+    claim three steps ahead ended the rounds of 16 peers whenever it claimed a new step, and the LOADING records of
+    peers trying a liar's claim one step ahead ended every round at the step for 70 s (the simulation, 16 peers,
+    seeds 28 and 36)."""
+    in_step = {peer: rec(peer, 13, "aa", READY) for peer in ("me", "b", "c")}
+    assert not moved_past(in_step, "me", 13, "aa")
+    assert not moved_past({**in_step, "evil": rec("evil", 16, "ff")}, "me", 13, "aa")  # a jump nobody vouches for
+    assert not moved_past({**in_step, "b": rec("b", 14, "aa", LOADING)}, "me", 13, "aa")  # it holds nothing yet
+    assert moved_past({**in_step, "b": rec("b", 14, "bb")}, "me", 13, "aa")  # a groupmate's next step
+    went_on = {**in_step, "b": rec("b", 16, "dd"), "c": rec("c", 16, "dd")}  # two vouch for a jump: the run left
+    assert moved_past(went_on, "me", 13, "aa")

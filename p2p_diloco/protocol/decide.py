@@ -10,9 +10,13 @@ simulated peer (:mod:`p2p_diloco.protocol.simulation.peer`). The rules, in order
    (:func:`~p2p_diloco.protocol.trust.choose_target`), and when the plan's target is not trusted, the
    best-vouched trusted state above this peer's step is loaded instead. A jump that none is trusted for is
    declined: its claims are set aside (:class:`~p2p_diloco.protocol.ledger.TrustLedger`) and the next rules decide;
-2. the run is ahead and no peer that averages is at this step (:func:`~p2p_diloco.protocol.plans.behind_alone`):
-   **wait** for the run's state, never train alone: that would start a second history of the run
-   (:mod:`p2p_diloco.train.catch_up`);
+2. the run is ahead and no peer that averages is at this step (:func:`~p2p_diloco.protocol.plans.behind_alone`),
+   or the load of a state above it that the records vouch for (as many as for its own, and more than dispute it:
+   one liar's claim one step ahead of 16 peers is no such state) just failed: **wait** for the run's state and ask
+   again, never train alone, nor average with the peers at this step: either would start a second history of
+   the run (:mod:`p2p_diloco.train.catch_up`; two joiners whose download met the run's one peer frozen for 8 s
+   averaged from step 0 while the run was at step 20: simulation, 4 peers, seed 25). A claim that nobody serves
+   twice is struck (:class:`~p2p_diloco.protocol.ledger.TrustLedger`), and no longer makes the plan load;
 3. else **train** from its own state.
 
 A load that fails (nobody served the state, or it failed the state check) leaves the peer at its own state; it
@@ -67,8 +71,15 @@ def next_move(records: Records, set_aside: Records, peer_id: str, outer_step: in
         trusted, counts = trusted_load(plan, records, set_aside, peer_id, outer_step, sha256, groupmates)
         if trusted is not None:
             return Move(LOAD, trusted.reason, load=trusted)
+        tied, _ = trusted_load(plan, records, set_aside, peer_id, outer_step, sha256, groupmates, break_ties=True)
+        if tied is not None:  # waiting would wait for good, training would fork the run: the download decides
+            return Move(LOAD, f"{tied.reason}; as many records dispute it as vouch for it ({counts}): trying its "
+                              f"download (claims that nobody serves are struck)", load=tied)
         declined = plan
-    if behind_alone(outer_step, history, records, peer_id):
+    if behind_alone(outer_step, history, records, peer_id) or (
+            not may_load and plan.action == LOAD and history is not None and history.outer_step > outer_step
+            and trusted_load(plan, records, set_aside, peer_id, outer_step, sha256, groupmates, by_count=True)[0]
+            is not None):
         # the same words as ever: the metrics of a load from the checkpoint store give them as its reason
         return Move(WAIT, f"the run is at outer step {history.outer_step} and no peer served its state",
                     declined=declined, vouch_counts=counts, history=history)
@@ -80,14 +91,15 @@ def next_move(records: Records, set_aside: Records, peer_id: str, outer_step: in
 
 
 def trusted_load(plan: RoundPlan, records: Records, set_aside: Records, peer_id: str, outer_step: int, sha256: str,
-                 groupmates: frozenset[str]) -> tuple[Optional[RoundPlan], str]:
+                 groupmates: frozenset[str], break_ties: bool = False,
+                 by_count: bool = False) -> tuple[Optional[RoundPlan], str]:
     """The load `plan` asks for, or one of the best-vouched state above this peer's step, if the records trust it
     (:func:`~p2p_diloco.protocol.trust.choose_target`); None if no state above is trusted. A state at this peer's
     own step is the plan's vote, and needs no more. With it, the account of the vouchers counted ("" for none)."""
     if plan.target_step <= outer_step:
         return plan, ""
     target, counts = choose_target(records, peer_id, outer_step, sha256, (plan.target_step, plan.target_sha256),
-                                   groupmates, set_aside)
+                                   groupmates, set_aside, break_ties, by_count)
     if target is None:
         return None, counts
     if target == (plan.target_step, plan.target_sha256):

@@ -8,14 +8,16 @@ records: a record seen once stands until it expires or its author replaces it, :
   vouchers, until its author claims another step, this peer loads that state, or :data:`ASIDE_S` pass;
 * unserved claims: an identity whose claims of a state were asked for and served by nobody
   :data:`UNSERVED_STRIKES` times in a row, with no state served by it since, is *struck* for
-  :data:`STRIKE_S`: its claims above this peer's step count in no plan, though still in the run's history (a
-  liar that claims the run's next step at every step otherwise cost every peer a skipped round and a
-  failed download at every step, :data:`ASIDE_S` or not);
+  :data:`STRIKE_S`: its claims above this peer's step count in no plan, and after `history_grace_s` (while it
+  stays live) not in the run's history either (a liar that claims the run's next step at every step otherwise cost every
+  peer a skipped round and a failed download at every step, :data:`ASIDE_S` or not). A claim nobody served
+  once is no more than a strike: the peer asks again before it trains on;
 * refused states: a state that failed the state check, for the rest of the run;
 * distrusted peers: identities that served a malformed or refused state, or that this peer's averager banned
   (malformed group data or parts, a reducer's wrong or two-faced result), for the rest of the run;
 * former groupmates: identities it averaged with, and the run's bootstrap nodes, whose word on a state counts
-  first (:func:`~p2p_diloco.protocol.trust.choose_target`), unless it distrusts them since.
+  first (:func:`~p2p_diloco.protocol.trust.choose_target`), unless it distrusts them since;
+* silent peers: identities that did not answer on the network, until they write another record.
 
 From both, :meth:`TrustLedger.split` gives the live records a plan counts and those it set aside, and
 :meth:`TrustLedger.history` the latest step the run was seen at. Nothing here reads a clock: `now` is
@@ -40,6 +42,12 @@ ASIDE_S = 30.0
 # identity claims the same state (a set-aside record still vouches for a state a live record claims too)
 UNSERVED_STRIKES = 2
 STRIKE_S = 300.0
+# how long a live identity stays in the run's history once struck, at least (TrustLedger.history_grace_s: the
+# records' TTL, so that a crashed peer's record has expired first, and stays in the history as a gone peer's): an
+# honest peer frozen when asked is struck after two asks (seconds), and a lone peer beside it must not step alone
+# meanwhile (a second history); a liar that claims the step after a lone peer's held it back for good (exit 5 after
+# state_wait_timeout: the simulation, 3 peers, seed 166). A longer freeze costs a fork that the next vote merges.
+STRUCK_IN_HISTORY_S = 60.0
 
 Seen = dict[str, tuple[PeerProgress, float]]  # peer ID -> its latest record seen, and when that record expires
 
@@ -86,6 +94,12 @@ class TrustLedger:
     groupmates: set[str] = field(default_factory=set)  # averaged with this peer, or the run's bootstrap nodes
     # peer ID -> its claims in a row that nobody served, and until when the last of them counts (DHT time)
     unserved: dict[str, tuple[int, float]] = field(default_factory=dict)
+    unserved_claims: dict[str, tuple[int, str]] = field(default_factory=dict)  # peer ID -> its last claim unserved
+    struck_since: dict[str, float] = field(default_factory=dict)  # peer ID -> when it was struck last (DHT time)
+    # peer ID -> the time in the record it had when it did not answer on the network: not counted until it writes
+    # another (a crashed peer's last record stands until it expires, progress_ttl)
+    silent: dict[str, float] = field(default_factory=dict)
+    history_grace_s: float = STRUCK_IN_HISTORY_S  # at least the records' TTL (swarm.progress_ttl)
 
     def counts(self, record: PeerProgress) -> bool:
         """Whether `record` is one this peer takes into account at all (its own always is)."""
@@ -96,6 +110,12 @@ class TrustLedger:
         """Whether `peer`'s claims above this peer's step count nowhere now (see the module)."""
         count, until = self.unserved.get(peer, (0, 0.0))
         return count >= UNSERVED_STRIKES and now < until
+
+    def struck_live(self, record: PeerProgress, expiration: float, now: float) -> bool:
+        """Whether `record`'s author is live (its record neither expired nor LEFT) and has been struck for
+        `history_grace_s` or more at `now`: the run's history no longer counts its claims."""
+        return (expiration > now and record.phase != LEFT and self.struck(record.peer_id, now)
+                and now - self.struck_since.get(record.peer_id, now) >= self.history_grace_s)
 
     def split(self, seen: Seen, now: float) -> tuple[dict[str, PeerProgress], dict[str, PeerProgress]]:
         """The live records (expiring after `now`, not LEFT) that a plan counts, and the live ones set aside.
@@ -110,6 +130,10 @@ class TrustLedger:
         for record, expiration in seen.values():
             if expiration <= now or record.phase == LEFT or not self.counts(record):
                 continue
+            if record.peer_id in self.silent:
+                if self.silent[record.peer_id] == record.time:
+                    continue
+                del self.silent[record.peer_id]  # it wrote since: it is back
             if record.outer_step > own_step and self.struck(record.peer_id, now):
                 set_aside[record.peer_id] = record
                 continue
@@ -124,10 +148,13 @@ class TrustLedger:
     def history(self, seen: Seen, wall_now: float) -> Optional[RunHistory]:
         """The latest outer step at which this peer has seen the run, from every record it read, of peers live,
         gone (LEFT) or whose record has expired since; this one's own and the loading ones left out (a loading
-        peer holds no state of that step yet), and those it no longer trusts (a struck identity still counts here:
-        left out, a peer alone stepped alone beside an honest peer struck for a freeze); None if there is none."""
-        held = [record for record, _ in seen.values()
-                if record.peer_id != self.peer_id and record.phase != LOADING and self.counts(record)]
+        peer holds no state of that step yet), and those it no longer trusts. A struck identity still counts here
+        for `history_grace_s` while it is live (left out at once, a peer alone stepped alone beside an
+        honest peer struck for a freeze), and for good once it is gone: a run whose peers all left waits for
+        them or its checkpoint store (:mod:`p2p_diloco.train.catch_up`); None if there is none."""
+        held = [record for record, expiration in seen.values()
+                if record.peer_id != self.peer_id and record.phase != LOADING and self.counts(record)
+                and not self.struck_live(record, expiration, wall_now)]
         if not held:
             return None
         step = max(record.outer_step for record in held)
@@ -136,22 +163,40 @@ class TrustLedger:
 
     def set_aside(self, claims: dict[str, tuple[int, str]], now: float, unserved: bool = False) -> list[str]:
         """Set these peers' claims (outer step, sha256) aside from `now` (DHT time); the peers set aside.
-        `unserved`: nobody served the state they claim, a strike against each of them."""
+        `unserved`: nobody served the state they claim, a strike against each of them, and no more until they are
+        struck: the claim still counts, and the peer asks again before it trains on (a donor frozen or busy when
+        first asked; set aside at once, a joiner and its company averaged a second history from step 0 while
+        the run's one peer was frozen for 8 s: the simulation, 4 peers, seed 25)."""
         aside = [peer for peer in claims if peer != self.peer_id]
-        self.unverified.update((peer, (*claims[peer], now + ASIDE_S)) for peer in aside)
-        if unserved:
-            for peer in aside:
-                self.unserved[peer] = (self.unserved.get(peer, (0, 0.0))[0] + 1, now + STRIKE_S)
-        return aside
+        if not unserved:
+            self.unverified.update((peer, (*claims[peer], now + ASIDE_S)) for peer in aside)
+            return aside
+        for peer in aside:
+            was_struck = self.struck(peer, now)
+            self.unserved[peer] = (self.unserved.get(peer, (0, 0.0))[0] + 1, now + STRIKE_S)
+            self.unserved_claims[peer] = claims[peer]
+            if not was_struck and self.struck(peer, now):
+                self.struck_since[peer] = now
+        return [peer for peer in aside if self.struck(peer, now)]
+
+    def found_silent(self, records: dict[str, PeerProgress], peers: Iterable[str]) -> None:
+        """`peers` did not answer on the network (they crashed or left without a word): their records in
+        `records` count in no plan until they write another. A crashed member's last record said READY until it
+        expired, and every round planned with it failed to form, 60 s of them (the simulation, 3 peers,
+        seed 156)."""
+        self.silent.update((peer, records[peer].time) for peer in peers if peer in records and peer != self.peer_id)
 
     def served(self, outer_step: int, sha256: str, donor: Optional[str] = None) -> None:
         """This peer holds the state (`outer_step`, `sha256`) now, checked, served by `donor`: the claims of it
         count again, and the unserved claims of the donor and of those claimants (they told the truth) are
         forgiven."""
-        truthful = {peer for peer, claim in self.unverified.items() if claim[:2] == (outer_step, sha256)}
+        truthful = {peer for peer, claim in [*self.unverified.items(), *self.unserved_claims.items()]
+                    if claim[:2] == (outer_step, sha256)}
         self.unverified = {peer: claim for peer, claim in self.unverified.items() if peer not in truthful}
         for peer in truthful | {donor}:
             self.unserved.pop(peer, None)
+            self.unserved_claims.pop(peer, None)
+            self.struck_since.pop(peer, None)
 
     def refuse(self, sha256: Optional[str] = None, peers: Iterable[str] = ()) -> None:
         """Refuse the state `sha256` and distrust `peers` for the rest of the run."""

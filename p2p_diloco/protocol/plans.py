@@ -91,6 +91,12 @@ def plan_averaging(records: dict[str, PeerProgress], outer_step: int, peer_id: s
     assistant, a reachable node that reduces for them.
     """
     others = averaging_peers(records, peer_id)
+    own = records.get(peer_id)
+    if own is not None and own.outer_step == outer_step and agreed_sha256(records, outer_step) == own.sha256:
+        # a peer at this step whose state lost the vote loads this one's (plan_round), and is no groupmate (the
+        # round's members start from one state: membership.ready_at); one that never does is a liar, which kept a
+        # lone honest peer failing to find a group for good (the simulation, 3 peers, seeds 69 and 128)
+        others = [r for r in others if r.outer_step != outer_step or r.sha256 == own.sha256]
     groupmates = [r for r in others if r.outer_step == outer_step]
     if not groupmates:
         if history is not None and history.outer_step > outer_step:
@@ -123,9 +129,11 @@ def keeps_work(own_step: int, target_step: int, work_sent: bool) -> bool:
     loaded θ_global (θ_local ← θ_global' − Δ: its pseudo-gradient Δ = θ_global − θ_local is the same), instead of
     dropping them with its old state.
 
-    It keeps them when none of them went into a round that moved tensors and then failed, or into a group that went
-    on while this peer matched (`work_sent`: another member may have committed that round with them, so the loaded
-    state may hold them already, and a kept Δ would count twice), and the state is at its own step (a vote it lost)
+    It keeps them when none of them went into a failed round that this peer had reported complete (`work_sent`,
+    :class:`~p2p_diloco.sync.outer_sync.RoundFailed` ``reported``: another member may have committed that round
+    with them, so the loaded state may hold them already, and a kept Δ would count twice; a round reported
+    incomplete, a group left behind while it matched included, is committed by nobody: every member waits for every
+    groupmate's complete report, :mod:`p2p_diloco.sync.commit`), and the state is at its own step (a vote it lost)
     or the next (a round it missed: left behind, late, or a joiner whose first inner steps the run's step
     overtook). Its Δ is then at most one outer step stale,
     the delay that Streaming DiLoCo's overlapped outer step already applies to every Δ (arXiv 2501.18512, §2.2,

@@ -17,12 +17,18 @@ from p2p_diloco.protocol.view import LOADING, PeerProgress, own_vouchers, vouche
 
 def choose_target(records: dict[str, PeerProgress], peer_id: str, outer_step: int, sha256: str,
                   wanted: tuple[int, str], groupmates: frozenset = frozenset(),
-                  set_aside: Optional[dict[str, PeerProgress]] = None) -> tuple[Optional[tuple[int, str]], str]:
+                  set_aside: Optional[dict[str, PeerProgress]] = None,
+                  break_ties: bool = False, by_count: bool = False) -> tuple[Optional[tuple[int, str]], str]:
     """The state above `outer_step` this peer may load: `wanted` (the plan's target) if trusted, else the
     best-vouched trusted one (see the module docstring); None if none is. Among trusted states, one that
     a former groupmate of this peer vouches for (`groupmates`: identities it averaged with) comes first.
     `set_aside` are the live records whose claims this peer set aside: they vouch only for a state that a
-    live record claims too, and count against every other claim, as loading peers do. Returns it and a one-line account of the counts."""
+    live record claims too, and count against every other claim, as loading peers do. `break_ties`: a state as
+    vouched for as it is disputed is trusted too, the lowest step first (:func:`p2p_diloco.protocol.decide.next_move`
+    asks so when no state is trusted otherwise: its download decides, and a liar's claim one step above an honest
+    state it ties with is then checked against that state, not taken on its word). `by_count`: a state one step
+    ahead needs the vouchers of a jump too (it is otherwise taken to be checked once downloaded). Returns it and a
+    one-line account of the counts."""
     ahead = [r for peer, r in records.items() if peer != peer_id and r.outer_step > outer_step]
     votes = Counter((r.outer_step, r.sha256) for r in ahead if r.phase != LOADING)
     aside = [r for peer, r in (set_aside or {}).items()
@@ -40,8 +46,8 @@ def choose_target(records: dict[str, PeerProgress], peer_id: str, outer_step: in
         return sum((r.outer_step, r.sha256) != state for r in ahead)
 
     def trusted(state: tuple[int, str]) -> bool:
-        outvotes = votes[state] > dissent(state) or (votes[state] == dissent(state) and known[state])
-        return state[0] == outer_step + 1 or (votes[state] >= own and outvotes)
+        outvotes = votes[state] > dissent(state) or (votes[state] == dissent(state) and (known[state] or break_ties))
+        return (state[0] == outer_step + 1 and not by_count) or (votes[state] >= own and outvotes)
 
     counts = (f"its state at outer step {outer_step} is vouched for by {own} identit{'y' if own == 1 else 'ies'} "
               f"(this peer included), outer step {wanted[0]} ({wanted[1][:12]}) by {votes[wanted]}, and "
@@ -49,9 +55,22 @@ def choose_target(records: dict[str, PeerProgress], peer_id: str, outer_step: in
     candidates = [state for state in votes if trusted(state)]
     if not candidates:
         return None, counts
+    if break_ties:  # the lowest step first: a claim one step above it is then verified (state_check.step_problem)
+        return min(candidates, key=lambda state: (not known[state], state[0], -votes[state], state[1])), counts
     if wanted in candidates and (known[wanted] or not any(known[state] for state in candidates)):
         return wanted, counts
     return max(candidates, key=lambda state: (known[state], votes[state], state[0], state[1])), counts
+
+
+def moved_past(records: dict[str, PeerProgress], peer_id: str, outer_step: int, sha256: str) -> bool:
+    """Whether the run moved past `outer_step` by the records this peer trusts: a state above it that
+    :func:`choose_target` would load (one step ahead, or a jump its vouchers carry). A round at the step is then
+    over, and this peer catches up. A peer loading a later state holds none yet, and a liar's claim of a jump vouches
+    for nothing: counted, one identity's claim three steps ahead ended the round of 16 peers whenever it claimed a
+    new step (the simulation, 16 peers, seed 28), and the LOADING records of peers that tried a liar's claim one
+    step ahead ended every round at the step for 70 s (seed 36)."""
+    above = [(r.outer_step, r.sha256) for pid, r in records.items() if pid != peer_id and r.outer_step > outer_step]
+    return bool(above) and choose_target(records, peer_id, outer_step, sha256, max(above))[0] is not None
 
 
 def is_verifiable(outer_step: int, target_step: int) -> bool:

@@ -36,7 +36,7 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.polling import poll_intervals
 from p2p_diloco.remote_input import warn_once
-from p2p_diloco.protocol.ledger import Seen, TrustLedger, remember
+from p2p_diloco.protocol.ledger import STRUCK_IN_HISTORY_S, UNSERVED_STRIKES, Seen, TrustLedger, remember
 from p2p_diloco.protocol.phases import check_transition
 from p2p_diloco.protocol.view import (
     COMMITTING, DIRECT, KEEPING, LEFT, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, busy_toward,
@@ -92,7 +92,9 @@ class SwarmProgress:
         self.fingerprint = fingerprint
         self.reachability = reachability
         self.peer_id = dht.peer_id.to_base58()
-        self.ledger = TrustLedger(self.peer_id)  # set-aside claims, refused states, distrusted peers
+        # set-aside claims, refused states, distrusted peers; a struck identity's claims leave the run's history
+        # once a crashed peer's record would have expired
+        self.ledger = TrustLedger(self.peer_id, history_grace_s=max(ttl, STRUCK_IN_HISTORY_S))
         # each author's latest record read (merge_seen), and when it expires on the DHT: the live ones are the
         # run's peers (fetch), and every one, expired ones too (at most MAX_EXPIRED of those), its history
         self._seen: Seen = {}
@@ -167,12 +169,22 @@ class SwarmProgress:
         steps 2-4 and left; 12 s after, it took 2-4 alone)."""
         return self.ledger.history(self._seen, time.time())
 
+    def drop_silent(self, records: dict[str, PeerProgress], peers: Sequence[str]) -> list[str]:
+        """Those of `peers` that do not answer on the network now; their records count in no plan until they write
+        another (:meth:`~p2p_diloco.protocol.ledger.TrustLedger.found_silent`). None when this peer cannot ask."""
+        if self.answering is None or not peers:
+            return []
+        answering = self.answering(list(peers))
+        silent = [peer for peer in peers if peer not in answering]
+        self.ledger.found_silent(records, silent)
+        return silent
+
     def set_aside(self, claims: dict[str, tuple[int, str]], why: Optional[str] = None) -> None:
         """Ignore these peers' records while they claim the same outer step, for a while
         (:class:`~p2p_diloco.protocol.ledger.TrustLedger`): nobody served their state (`why` None: a strike against
         each, as the ledger counts them), or `why` this peer would not load it."""
         unserved = why is None
-        why = "no peer served that state" if unserved else why
+        why = f"no peer served that state {UNSERVED_STRIKES} times in a row" if unserved else why
         for peer_id in self.ledger.set_aside(claims, get_dht_time(), unserved=unserved):
             logger.warning("setting aside the record of peer %s: it claims outer step %d (%s) but %s",
                            peer_id, claims[peer_id][0], claims[peer_id][1][:12], why)
@@ -232,6 +244,7 @@ class SwarmProgress:
             for peer in silent.check(dialable({p: records[p] for p in busy})):
                 logger.warning("outer step %d: not waiting for %s any more: its record says %s, but it does not "
                                "answer on the network (it left or crashed)", outer_step + 1, peer[-8:], busy[peer])
+                self.ledger.found_silent(records, [peer])
                 del busy[peer], records[peer]
             if not busy:
                 return records

@@ -144,11 +144,18 @@ class RoundTimes:
 
 
 class RoundFailed(RuntimeError):
-    """No group was formed, or the all-reduce broke off: this peer has no agreed mean for the step."""
+    """No group was formed, or the all-reduce broke off: this peer has no agreed mean for the step.
 
-    def __init__(self, message: str, tensors_touched: bool):
+    `tensors_touched`: the group formed and tensors moved (an attempt worth making again among its members).
+    `reported`: this peer had reported the round complete (:mod:`p2p_diloco.sync.commit`) when it failed, so a
+    groupmate that saw every report may have committed a mean that holds this peer's Δ. A round that fails before
+    that report cannot be committed by anyone: every member waits for every groupmate's complete report, and this
+    peer reports it incomplete."""
+
+    def __init__(self, message: str, tensors_touched: bool, reported: bool = False):
         super().__init__(message)
         self.tensors_touched = tensors_touched
+        self.reported = reported
 
 
 class LeftBehind(RoundFailed):
@@ -351,7 +358,7 @@ class OuterSync:
         times.agreed = time.monotonic()
         void = void or self._audit(outer_step, token, digests, reports, report, stop, dialable)
         if void is not None:
-            raise RoundFailed(f"round void: {void}", tensors_touched=True)
+            raise RoundFailed(f"round void: {void}", tensors_touched=True, reported=True)
         times.audited = time.monotonic()
         result.phases = times.phases()
         return result

@@ -344,7 +344,7 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
         because it is stopping is only written to the metrics.
         """
         event, reason = outcome.event, outcome.reason
-        if outcome.tensors_touched:  # its Δ travelled: a state loaded next may hold it (protocol.plans.keeps_work)
+        if outcome.delta_may_be_committed:  # a state loaded next may hold its Δ (protocol.plans.keeps_work)
             self.local.sent_in_failed_round(self.schedule.fragment_at(step))
         self.metrics.write(event, outer_step=step, reason=reason)
         if event == ROUND_STOPPED:

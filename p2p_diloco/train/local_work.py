@@ -108,7 +108,8 @@ class LocalWork:
             self.error_feedback.commit(indices, to_send, to_send if counted is None else counted)
 
     def sent_in_failed_round(self, fragment: int) -> None:
-        """This peer's Δ of `fragment` travelled in a round that failed: a state loaded next may hold it."""
+        """This peer's Δ of `fragment` went into a round that failed after this peer reported it complete: a groupmate
+        may have committed it, and a state loaded next may hold it (`RoundFailed.reported`)."""
         self.sent_unsettled.add(fragment)
 
     @torch.no_grad()

@@ -36,6 +36,7 @@ import torch
 
 from p2p_diloco.protocol.membership import Membership, plan_membership
 from p2p_diloco.protocol.plans import plan_averaging, plan_round
+from p2p_diloco.protocol.trust import moved_past
 from p2p_diloco.protocol.view import PeerProgress, dialable, ready_at, round_closing, went_on_without
 from p2p_diloco.swarm.progress import SwarmProgress
 from p2p_diloco.sync.outer_sync import GroupMean, LeftBehind, OuterSync, PendingDelta, RoundFailed
@@ -56,7 +57,9 @@ class SyncOutcome:
     event: Optional[str] = None  # the metrics event of a round that applied nothing: round_failed, round_skipped, ...
     reason: str = ""
     failed_attempts: list[str] = field(default_factory=list)  # why each earlier attempt at the step's round failed
-    tensors_touched: bool = False  # a failed round in which this peer's Δ travelled: another member may commit it
+    # a failed round that this peer had reported complete: a groupmate may have committed a mean holding its Δ
+    # (RoundFailed.reported), so a state loaded next may hold it (protocol.plans.keeps_work)
+    delta_may_be_committed: bool = False
 
 
 class RoundSync:
@@ -102,11 +105,13 @@ class RoundSync:
         waited_s = round(time.monotonic() - began, 4)
         if self.stop_event.is_set():
             return SyncOutcome(event=ROUND_STOPPED, reason="this peer is stopping")
-        if any(r.outer_step > step for r in records.values()):
+        if moved_past(records, self.peer_id, step, global_sha256):
             return SyncOutcome(event="round_skipped",
                                reason=f"the swarm moved past outer step {step} while this peer trained; catching up")
         vote = plan_round(records, step, global_sha256)
-        if vote.action == "load":  # the peers at this step hold another state: a round from this one forks the run
+        # the peers at this step hold another state: a round from this one forks the run (a claim past the step that
+        # moved_past does not trust is no reason to skip: one liar's jump ended 16 peers' rounds, simulation seed 28)
+        if vote.action == "load" and vote.target_step == step:
             return SyncOutcome(event="round_skipped", reason=f"{vote.reason}; catching up")
         plan = plan_averaging(records, step, self.peer_id, self.reachability_mode, self.progress.history())
         if plan.action == "skip":
@@ -114,7 +119,7 @@ class RoundSync:
         if plan.action == "alone":
             return self._alone(to_send, samples)
         failed: list[str] = []
-        touched = False  # whether an attempt that failed had moved this peer's Δ
+        reported = False  # whether an attempt that failed had been reported complete (RoundFailed.reported)
         membership = None
         for attempt in range(1, self.attempts + 1):
             membership = plan_membership(records, step, global_sha256, self.peer_id, self.reachability_mode,
@@ -133,25 +138,31 @@ class RoundSync:
                 result.phases = dict(wait=waited_s, **result.phases)
                 return SyncOutcome(result, failed_attempts=failed)
             except LeftBehind:
-                # its Δ may have travelled all the same: hivemind looks at a cancel only once its matchmaking returns,
-                # so a group matched an instant before the cancel runs its all-reduce with this peer's parts (seen
-                # under a busy core: "Can't set_result to a future that is CANCELLED"), and the state this peer
-                # loads next may hold them (protocol.plans.keeps_work)
+                # its Δ may have travelled all the same (hivemind looks at a cancel only once its matchmaking returns,
+                # so a group matched an instant before the cancel runs its all-reduce with this peer's parts: seen
+                # under a busy core, "Can't set_result to a future that is CANCELLED"), but no groupmate commits that
+                # round: this peer reported it incomplete (RoundFailed.reported), so its work is kept on a load
                 return SyncOutcome(event="round_skipped", reason=f"the peers at outer step {step} averaged without "
                                                                  f"this peer while it was matching; catching up",
-                                   failed_attempts=failed, tensors_touched=True)
+                                   failed_attempts=failed, delta_may_be_committed=reported)
             except RoundFailed as e:  # with what the user can do about it, where there is something
-                touched = touched or e.tensors_touched
+                reported = reported or e.reported
+                if not e.tensors_touched and membership is not None:  # a crashed member's READY record stands
+                    silent = self.progress.drop_silent(records, [m for m in membership.members if m != self.peer_id])
+                    if silent:
+                        logger.warning("outer step %d: no group formed; planned member(s) %s do not answer on the "
+                                       "network (crashed or left): not planned with again until they write a record",
+                                       step + 1, ", ".join(peer[-8:] for peer in silent))
                 if not e.tensors_touched or attempt == self.attempts or self.stop_event.is_set():
                     reason = str(e) + (ASSISTANT_HINT if plan.needs_assistant else "")
                     return SyncOutcome(event="round_failed", reason=reason, failed_attempts=failed,
-                                       tensors_touched=touched)
+                                       delta_may_be_committed=reported)
                 failed.append(str(e))
                 records = self._answering(self.progress.fetch(), step)
-                if any(r.outer_step > step for r in records.values()):  # the others applied it: catch up instead
+                if moved_past(records, self.peer_id, step, global_sha256):  # the others applied it: catch up instead
                     return SyncOutcome(event="round_skipped", reason=f"attempt {attempt} failed ({e}) while the swarm "
                                                                      f"moved past outer step {step}; catching up",
-                                       failed_attempts=failed, tensors_touched=touched)
+                                       failed_attempts=failed, delta_may_be_committed=reported)
                 logger.warning("outer step %d: attempt %d of %d failed (%s); averaging again with the %d peers ready "
                                "at the step that still answer", step + 1, attempt, self.attempts, e,
                                len(ready_at(records, step)))

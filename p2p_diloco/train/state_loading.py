@@ -86,8 +86,8 @@ class StateLoading:
             self._load_failed()
             if nobody_serves(failed_donors, plan.target_step):
                 self.progress.set_aside(plan.claims or {})
-            logger.warning("could not download the global state; training on from outer step %d",
-                           self.global_model.outer_step)
+            logger.warning("could not download the global state of outer step %d (this peer is at %d)",
+                           plan.target_step, self.global_model.outer_step)
             self.metrics.write("state_load_failed", outer_step=plan.target_step, reason=plan.reason,
                                failed_donors=failures)
             return False

@@ -2,14 +2,18 @@
 
 * **one state per step**: no outer step has two states committed by honest peers, while one of the first
   state's committers is alive (a history whose every holder crashed is lost: a new one may start); a side
-  of a partition that cannot see the run's history may fork it: counted apart, the cost of availability;
+  of a partition that cannot see the run's history may fork it: counted apart, the cost of availability, and
+  so are the fork's later steps, until the two histories meet again once the partition heals (the larger
+  group keeps its state: :func:`~p2p_diloco.protocol.trust.choose_target`);
 * **never alone while the run is ahead**: no honest peer takes a step alone while the run's history (a state
-  honest peers committed) is at a later step;
+  honest peers committed) is at a later step, unless every committer of that history crashed (counted apart);
 * **only committed states are loaded**: no honest peer loads a state that honest peers did not commit;
-* **live**: once faults stop, every live honest peer takes (or loads) an outer step within `liveness_bound_s`;
+* **live**: once faults stop, every live honest peer takes (or loads) an outer step within `liveness_bound_s`,
+  unless every honest peer that committed the run's later steps crashed (:meth:`Invariants.history_lost`: the peer
+  then waits for the run's state, bounded, as :mod:`p2p_diloco.train.catch_up` has it; counted apart);
 * **no lost work**: no trained samples are lost except by a crash: a load keeps the inner steps a peer held
   (:func:`~p2p_diloco.protocol.plans.keeps_work`) unless they went into a round that lost a member (the crash's
-  cost) or a group that went on while the peer matched (counted: hivemind may have run that group with them);
+  cost); a jump of two steps or more drops them by design (the peer missed rounds: its Δ is stale), counted apart;
 * **no trap**: no honest peer has more than `max_void_streak` void rounds in a row.
 """
 
@@ -47,9 +51,10 @@ class Invariants:
     observed: dict[str, int] = field(default_factory=dict)  # every breach, checked or not
     _next_liveness_check: float = 0.0
     _stalled: set[str] = field(default_factory=set)
+    forked_apart: set[str] = field(default_factory=set)  # states of a history forked in a partition, and their heirs
 
-    def breach(self, invariant: str, peer: str, detail: str) -> None:
-        if self.swarm.dht.partition and invariant in (ONE_STATE, ALONE_AHEAD):
+    def breach(self, invariant: str, peer: str, detail: str, of_partition: bool = False) -> None:
+        if (self.swarm.dht.partition or of_partition) and invariant in (ONE_STATE, ALONE_AHEAD):
             invariant += " (partitioned)"  # a side that cannot see the run's history forks it: counted, not a bug
         self.observed[invariant] = self.observed.get(invariant, 0) + 1
         if invariant in self.checked:
@@ -61,14 +66,22 @@ class Invariants:
         # a state all of whose committers crashed is a history lost by crashes: a new one may start
         others = {sha for sha in self.swarm.committed_at.get(state.outer_step, set()) if sha != state.sha256
                   and any(self.swarm.alive(peer) for peer in self.swarm.states[sha].committed_by)}
+        if state.parent in self.forked_apart:
+            self.forked_apart.add(state.sha256)
         if others:
+            of_partition = bool(self.swarm.dht.partition) or bool(({state.sha256} | others) & self.forked_apart)
+            if of_partition:
+                self.forked_apart.add(state.sha256)
             self.breach(ONE_STATE, honest_members[0], f"outer step {state.outer_step}: {state.sha256[:8]} beside "
-                        f"{', '.join(sorted(s[:8] for s in others))}")
+                        f"{', '.join(sorted(s[:8] for s in others))}", of_partition)
 
     def on_alone(self, peer: Any) -> None:
         ahead = max(self.swarm.committed_at, default=0)
         if peer.honest and ahead > peer.outer_step:
-            self.breach(ALONE_AHEAD, peer.peer_id, f"stepped alone from {peer.outer_step}, the run is at {ahead}")
+            # as for one state per step, a history whose every committer crashed is lost: a new one may start
+            lost = " (history lost)" if self.lost_above(peer.outer_step) else ""
+            self.breach(ALONE_AHEAD + lost, peer.peer_id, f"stepped alone from {peer.outer_step}, the run is at "
+                                                          f"{ahead}", peer.sha256 in self.forked_apart)
 
     def on_adopt(self, peer: Any, state: Any, loaded: bool, kept: bool = False) -> None:
         if not peer.honest:
@@ -77,8 +90,11 @@ class Invariants:
             self.breach(UNCOMMITTED_LOAD, peer.peer_id, f"adopted {state.sha256[:8]} at {state.outer_step}, which no "
                                                         f"honest peer committed")
         if loaded and not kept and peer.held_samples and peer.work_sent != LOST_MEMBER:  # that one: lost to a crash
-            self.breach(LOST_WORK, peer.peer_id, f"a load to outer step {state.outer_step} dropped "
-                                                 f"{peer.held_samples} trained samples")
+            # a jump of two steps or more: the peer missed rounds (frozen, cut off, or a joiner that trained from the
+            # initial state before it read the run), and its Δ points where the run no longer is (keeps_work)
+            stale = " (stale: a jump)" if state.outer_step > peer.outer_step + 1 else ""
+            self.breach(LOST_WORK + stale, peer.peer_id, f"a load from outer step {peer.outer_step} to "
+                                                         f"{state.outer_step} dropped {peer.held_samples} trained samples")
 
     def on_void(self, peer: Any) -> None:
         if peer.honest and peer.counts.void_streak == self.max_void_streak + 1:
@@ -96,5 +112,22 @@ class Invariants:
             since = max(peer.last_progress, quiet, peer.joined_at)
             if now - since > self.liveness_bound_s and peer.peer_id not in self._stalled:
                 self._stalled.add(peer.peer_id)
-                self.breach(LIVENESS, peer.peer_id, f"no outer step for {now - since:.0f} s after faults stopped "
-                                                    f"(at {peer.outer_step}; its last: {peer.events[-1:]})")
+                self.breach(LIVENESS + (" (history lost)" if self.history_lost(peer) else ""), peer.peer_id,
+                            f"no outer step for {now - since:.0f} s after faults stopped (at {peer.outer_step}; "
+                            f"its last: {peer.events[-1:]})")
+
+    def history_lost(self, peer: Any) -> bool:
+        """Whether `peer` waits for a history of the run that honest peers committed and every one of them crashed
+        since: no state is left to load, and the peer waits as :mod:`p2p_diloco.train.catch_up` has it (bounded by
+        ``state_wait_timeout``, then exit 5 with what to do); counted apart. A wait on a claim that no honest peer
+        committed (a liar's) is no such wait."""
+        history = peer.ledger.history(peer.seen, self.swarm.loop.now)
+        committed = self.swarm.committed_at
+        if history is None or not peer.outer_step < history.outer_step <= max(committed, default=0):
+            return False
+        return self.lost_above(peer.outer_step)
+
+    def lost_above(self, outer_step: int) -> bool:
+        """Whether every honest peer that committed a state above `outer_step` has crashed."""
+        return not any(self.swarm.alive(member) for step, shas in self.swarm.committed_at.items() if step > outer_step
+                       for sha in shas for member in self.swarm.states[sha].committed_by)

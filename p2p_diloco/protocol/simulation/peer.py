@@ -26,11 +26,11 @@ from typing import Any, Optional
 import torch
 
 from p2p_diloco.protocol.decide import LOAD, WAIT, Move, next_move
-from p2p_diloco.protocol.ledger import Seen, TrustLedger, remember
+from p2p_diloco.protocol.ledger import STRUCK_IN_HISTORY_S, Seen, TrustLedger, remember
 from p2p_diloco.protocol.membership import plan_membership
 from p2p_diloco.protocol.phases import check_transition
 from p2p_diloco.protocol.plans import RoundPlan, keeps_work, plan_averaging, plan_round
-from p2p_diloco.protocol.trust import is_verifiable, unverified_step_trusted
+from p2p_diloco.protocol.trust import is_verifiable, moved_past, unverified_step_trusted
 from p2p_diloco.protocol.view import (
     COMMITTING, DIRECT, LEFT, LOADING, READY, TRAINING, PeerProgress, busy_toward, round_closing, went_on_without,
 )
@@ -43,7 +43,7 @@ WAIT_POLL_S = 0.5  # how often a ready peer reads whether its groupmates are (wa
 SILENT_CHECK_S, SILENT_MISSES = 2.0, 2  # SilentPeers: a busy peer that does not answer twice, 2 s apart, is gone
 ROUND_POLL_S = 0.2  # how often a matching member looks at its round
 LEFT_BEHIND_POLL_S = 1.0  # outer_sync.LEFT_BEHIND_POLL_S
-LOST_MEMBER, LEFT_BEHIND = "lost member", "left behind"  # SimPeer.work_sent
+LOST_MEMBER = "lost member"  # SimPeer.work_sent
 
 
 @dataclass
@@ -81,12 +81,14 @@ class SimPeer:
     left: bool = False
     attempts_at: tuple[int, int] = (-1, 0)
     # why its held Δ may be in a state it did not commit (keeps_work then drops it on a load): LOST_MEMBER, its Δ
-    # travelled in a round that lost a member; LEFT_BEHIND, its group went on while it matched; "" none
+    # travelled in a round that lost a member (the real peer's RoundFailed.reported, taken whenever a member is lost:
+    # the simulation does not say whether the loss came before the reports); "" none. A peer left behind while it
+    # matched keeps its work: it reports that round incomplete, so no groupmate commits it
     work_sent: str = ""
     events: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        self.ledger = TrustLedger(self.peer_id)
+        self.ledger = TrustLedger(self.peer_id, history_grace_s=max(self.swarm.settings.ttl, STRUCK_IN_HISTORY_S))
         self.rng = torch.Generator().manual_seed(self.swarm.seed * 1_000_003 + int(self.peer_id[1:]))
 
     # ----- records ------------------------------------------------------------------------------
@@ -236,10 +238,10 @@ class SimPeer:
     def sync(self, step: int, sha: str):
         settings = self.swarm.settings
         records = yield from self.wait_for_groupmates(step, sha)
-        if any(r.outer_step > step for r in records.values()):
+        if moved_past(records, self.peer_id, step, sha):
             return "skipped: the swarm moved past the step"
         vote = plan_round(records, step, sha)
-        if vote.action == LOAD:
+        if vote.action == LOAD and vote.target_step == step:  # RoundSync's rule: the vote at this step only
             return f"skipped: {vote.reason}"
         plan = plan_averaging(records, step, self.peer_id, DIRECT, self.ledger.history(self.seen, self.now))
         if plan.action == "skip":
@@ -255,8 +257,9 @@ class SimPeer:
             if membership is not None and self.own.leader != membership.leaders[0]:  # SwarmProgress.asking
                 self.publish(step, sha, READY, self.held_samples, membership.leaders[0])
             outcome = yield from self.average(step, sha, membership)
-            if outcome == "left behind":  # as the real peer counts it: hivemind may still run that group with it
-                self.work_sent = LEFT_BEHIND
+            if outcome is None and membership is not None:  # RoundSync probes the members of a round that never formed
+                self.ledger.found_silent(records, [m for m in membership.members if not self.swarm.answers(m)])
+            if outcome == "left behind":
                 return "skipped: its group averaged without it"
             if outcome is None:
                 return "failed: no leader took it in"
@@ -267,7 +270,7 @@ class SimPeer:
             if attempt == settings.attempts:
                 return f"failed: members lost: {outcome.failed}"
             records = {p: r for p, r in self.fetch().items() if p not in outcome.failed or self.swarm.answers(p)}
-            if any(r.outer_step > step for r in records.values()):
+            if moved_past(records, self.peer_id, step, sha):
                 return "skipped: attempt failed while the swarm moved on"
         return "failed: no attempt left"
 
@@ -291,6 +294,7 @@ class SimPeer:
                     misses[peer] = 0 if self.swarm.answers(peer) else misses.get(peer, 0) + 1
                     if misses[peer] >= SILENT_MISSES:
                         gone.add(peer)
+                        self.ledger.found_silent(records, [peer])
                 busy = {p: phase for p, phase in busy.items() if p not in gone}
                 records = {p: r for p, r in records.items() if p not in gone}
             if not busy or self.now >= deadline:

@@ -46,7 +46,7 @@ class Schedule:
     arrival: str = ""
 
 
-def random_schedule(seed: int, peers: int, quiet_at: float = 90.0, settle_s: float = 110.0,
+def random_schedule(seed: int, peers: int, quiet_at: float = 90.0, settle_s: float = 150.0,
                     arrival: Optional[str] = None) -> Schedule:
     """The schedule of `seed` for a run of `peers` honest peers (and maybe a liar or a scaler); `arrival` (one
     of :data:`ARRIVALS`) fixes how they arrive, else the seed draws it."""
@@ -100,7 +100,7 @@ def _staggered(gap: float) -> Callable[[], Schedule]:
     """3 peers `gap` seconds apart, each with a second of warm-up before its first inner step."""
     def scenario() -> Schedule:
         return Schedule([PeerPlan(f"p{i}", 1.0 + i * gap, warm_up_s=1.0) for i in range(3)],
-                        Faults(0.2, 0.5, 0.0, 60.0), end=180.0)
+                        Faults(0.2, 0.5, 0.0, 60.0), end=200.0)
     return scenario
 
 
@@ -109,14 +109,14 @@ def _stall_at_step_2() -> Schedule:
     its learning rate's warm-up; the first round's robust mean is almost nothing, and the next honest means are
     far above 16 × that momentum."""
     return Schedule([PeerPlan("p0", 1.0), PeerPlan("p1", 1.95, warm_up_s=0.4), PeerPlan("p2", 3.95, warm_up_s=0.4)],
-                    Faults(0.05, 0.1, 0.0, 60.0), end=180.0)
+                    Faults(0.05, 0.1, 0.0, 60.0), end=200.0)
 
 
 def _commit_tie() -> Schedule:
     """Two honest peers right after their step read each other at the step before, and a stranger's claim of
     another state at the new step: the vote must wait for them (34125a4)."""
     s = Schedule([PeerPlan("p0", 1.0), PeerPlan("p1", 1.0), PeerPlan("p2", 5.0, kind=LIAR)],
-                 Faults(0.5, 1.0, 0.0, 60.0), end=180.0)
+                 Faults(0.5, 1.0, 0.0, 60.0), end=200.0)
     s.lie_jump = 0
     return s
 
@@ -124,7 +124,7 @@ def _commit_tie() -> Schedule:
 def _keeper_joiner() -> Schedule:
     """A joiner arrives while the run steps: it must never step alone from the state it loaded (b7789b7)."""
     return Schedule([PeerPlan("p0", 1.0), PeerPlan("p1", 1.2), PeerPlan("p2", 30.0)], Faults(0.3, 0.8, 0.05, 60.0),
-                    end=180.0)
+                    end=200.0)
 
 
 def _left_behind() -> Schedule:
@@ -139,19 +139,19 @@ def _left_behind() -> Schedule:
 def _slow_peer() -> Schedule:
     """A slow peer (6× the others' step time) contributes what it managed each round (e589aab)."""
     return Schedule([PeerPlan("p0", 1.0), PeerPlan("p1", 1.0), PeerPlan("p2", 1.0, step_s=0.3)],
-                    Faults(0.3, 0.8, 0.05, 60.0), end=180.0)
+                    Faults(0.3, 0.8, 0.05, 60.0), end=200.0)
 
 
 def _kill_mid_round() -> Schedule:
     """A member crashes mid-round: the survivors try again without it (c2e7d41)."""
     return Schedule([PeerPlan(f"p{i}", 1.0) for i in range(4)], Faults(0.2, 0.5, 0.0, 60.0),
-                    crashes=[("p3", 12.4)], end=180.0)
+                    crashes=[("p3", 12.4)], end=200.0)
 
 
 def _liar_far_ahead() -> Schedule:
     """A liar claims a step far ahead of 2 honest peers: set aside, never loaded, never a stall (e3eea37)."""
     s = Schedule([PeerPlan("p0", 1.0), PeerPlan("p1", 1.0), PeerPlan("p2", 3.0, kind=LIAR)],
-                 Faults(0.3, 0.8, 0.05, 60.0), end=180.0)
+                 Faults(0.3, 0.8, 0.05, 60.0), end=200.0)
     s.lie_jump = 5
     return s
 
@@ -161,7 +161,7 @@ def _liar_following_the_run() -> Schedule:
     (the many-peer campaign's 256 peers: every peer skipped each round and asked for that state, 18 % of the
     work counted). Not fixed yet: here it costs the run half its steps."""
     s = Schedule([PeerPlan(f"p{i}", 1.0) for i in range(4)] + [PeerPlan("p4", 12.0, kind=LIAR)],
-                 Faults(0.2, 0.5, 0.0, 60.0), end=180.0)
+                 Faults(0.2, 0.5, 0.0, 60.0), end=200.0)
     s.lie_jump = 1
     return s
 

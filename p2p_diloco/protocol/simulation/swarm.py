@@ -58,7 +58,8 @@ class SimSettings:
     noise: float = 6.0  # its noise, against 1 of direction: a few inner steps are mostly noise
     warmup_steps: int = 20  # inner.warmup_steps
     rule: AggregationRule = AggregationRule()
-    liveness_bound_s: float = 75.0
+    # a liar can hold a lone peer for a declined claim's ASIDE_S (30 s), two asks and the ledger's history_grace_s (60 s)
+    liveness_bound_s: float = 120.0
     max_void_streak: int = 3
 
     relay_group_size: int = 32  # swarm.relay_group_size: a round of more members travels through relays
