@@ -5,6 +5,12 @@ a jump of more steps, or a step that is not one from this peer's state, is taken
 The rule, its reasons and what Sybils can still do are in :mod:`p2p_diloco.train.state_check`'s docstring:
 
     vouchers(S) ≥ vouchers(own state)   and   vouchers(S) > dissent(S)
+
+A tie (vouchers(S) = dissent(S)) goes to a state a former groupmate vouches for; when nothing else settles it,
+the peer tries the download of the tied state at the lowest step (:func:`choose_target` with `break_ties`, asked
+by :func:`p2p_diloco.protocol.decide.next_move`), and a claim that nobody serves is struck
+(:class:`~p2p_diloco.protocol.ledger.TrustLedger`). :func:`moved_past` says whether the run left a step by the
+same rule.
 """
 
 from __future__ import annotations

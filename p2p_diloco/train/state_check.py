@@ -45,16 +45,19 @@ when
 where vouchers(S) counts the distinct identities whose live progress records (not "loading") claim S
 at T, and dissent(S) the other records above t: those that claim another state, and those of peers
 that load, or whose claim this peer set aside (it would not take that jump on so few vouchers, or
-nobody served it), unless they claim S themselves. A tie with the dissent is trusted only when a
-former groupmate of this peer vouches for S; else the peer waits and reads the records again. A peer
+nobody served it), unless they claim S themselves. A tie with the dissent goes to a state a
+former groupmate of this peer vouches for; else, when nothing above is trusted, the peer tries the
+download of the tied state at the lowest step (:mod:`p2p_diloco.protocol.trust`), so that a liar's
+claim one step above an honest state is then verified against it, and a claim nobody serves is struck
+(waiting on the tie stalled a joiner for good, and two such joiners averaged from step 0). A peer
 that loads vouches for no state yet, and a set-aside record only for a state that a live record
 claims too (else a joiner that set aside an honest claim in a commit window leaves its groupmate's
 twin claim tied with a liar's, and sets that aside too; a CI run's joiner, with every claim set
 aside, saw nobody and averaged alone), but both count against other claims: left out, they would leave a liar's claim one step ahead of the swarm tied with the
-honest peers still in step. And a tie alone decides nothing: a joiner's DHT read can miss the record
+honest peers still in step. And a tie is never taken on the records' word: a joiner's DHT read can miss the record
 of one of 2 honest peers, and then the liar's claim one step ahead of them ties with the other's
 (three CI runs' joiners took the poisoned state that one identity claimed one step ahead of 2 honest
-peers, while ties went to the later step). vouchers(own) counts this peer, the live records
+peers, while ties went to the later step: the lowest step's tie is tried first now). vouchers(own) counts this peer, the live records
 at t with its sha256, and the peers still committing the round that brought this peer to t (ready at t − 1: right after an outer step, a
 groupmate's record may still say so); at t = 0 this peer alone (the initial state is every fresh
 peer's, built from the seed: joiners that start together follow a peer that went ahead). A peer whose
