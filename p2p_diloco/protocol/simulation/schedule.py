@@ -159,7 +159,7 @@ def _liar_far_ahead() -> Schedule:
 def _liar_following_the_run() -> Schedule:
     """A liar joins a running run of 4 and keeps claiming the step after the run's, of a state nobody serves
     (the many-peer campaign's 256 peers: every peer skipped each round and asked for that state, 18 % of the
-    work counted). Not fixed yet: here it costs the run half its steps."""
+    work counted; struck after two unserved asks since issue 42's fourth part)."""
     s = Schedule([PeerPlan(f"p{i}", 1.0) for i in range(4)] + [PeerPlan("p4", 12.0, kind=LIAR)],
                  Faults(0.2, 0.5, 0.0, 60.0), end=200.0)
     s.lie_jump = 1
@@ -170,6 +170,34 @@ def _failed_download_newcomers() -> Schedule:
     """Newcomers to a run whose only peer crashed right after a step (5ea32d3): none may stall the others."""
     return Schedule([PeerPlan("p0", 1.0), PeerPlan("p1", 8.0), PeerPlan("p2", 8.5), PeerPlan("p3", 9.0)],
                     Faults(0.3, 0.8, 0.0, 60.0), crashes=[("p0", 7.0)], end=200.0)
+
+
+def _one_peer_and_a_liar_at_its_step() -> Schedule:
+    """A run of one peer, a liar claiming another state at its step, and joiners a minute apart: one voucher
+    against one dissent, a joiner trusted neither and waited, and the next joiner averaged with it from step 0, a
+    second history (the simulation, 4 peers, seed 9: issue 42's fifth part tries the tie by download)."""
+    s = Schedule([PeerPlan("p0", 1.0), PeerPlan("p1", 40.0), PeerPlan("p2", 55.0), PeerPlan("p3", 5.0, kind=LIAR)],
+                 Faults(0.3, 0.8, 0.02, 60.0), end=200.0)
+    s.lie_jump = 0
+    return s
+
+
+def _joiners_beside_a_frozen_peer() -> Schedule:
+    """Two joiners ask the run's one peer for its state while it is frozen: set aside at the first unserved ask,
+    its claim left them averaging together from step 0 while the run was at step 20 (the simulation, 4 peers,
+    seed 25: an unserved ask is a strike now, and a failed load of a vouched-for state is asked for again)."""
+    return Schedule([PeerPlan("p0", 1.0), PeerPlan("p1", 36.0), PeerPlan("p2", 38.0)],
+                    Faults(0.2, 0.5, 0.0, 60.0), freezes=[("p0", 35.0, 9.0)], end=200.0)
+
+
+def _liar_three_steps_ahead_of_sixteen() -> Schedule:
+    """16 peers and a liar claiming three steps past the run: its fresh claim at every step made every peer skip
+    the round (the run had "moved past" the step), and 16 peers forked at a step (the simulation, 16 peers, seed
+    28: the run moves past a step only by a state the peer would load)."""
+    s = Schedule([PeerPlan(f"p{i}", 1.0 + 0.1 * i) for i in range(16)] + [PeerPlan("p16", 20.0, kind=LIAR)],
+                 Faults(0.2, 0.5, 0.02, 60.0), end=200.0)
+    s.lie_jump = 3
+    return s
 
 
 SCENARIOS: dict[str, Callable[[], Schedule]] = {
@@ -185,6 +213,9 @@ SCENARIOS: dict[str, Callable[[], Schedule]] = {
     "liar_far_ahead": _liar_far_ahead,
     "liar_following_the_run": _liar_following_the_run,
     "newcomers_after_the_last_peer_crashed": _failed_download_newcomers,
+    "one_peer_and_a_liar_at_its_step": _one_peer_and_a_liar_at_its_step,
+    "joiners_beside_a_frozen_peer": _joiners_beside_a_frozen_peer,
+    "liar_three_steps_ahead_of_sixteen": _liar_three_steps_ahead_of_sixteen,
 }
 
 __all__ = ["Schedule", "PeerPlan", "random_schedule", "describe", "SCENARIOS", "replace"]
