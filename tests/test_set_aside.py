@@ -8,11 +8,13 @@ the run's next steps alone because the peers that took them have gone (CI: a NAT
 Two real DHT nodes on 127.0.0.1 with signed progress records.
 """
 
+import functools
 import hashlib
 
 import pytest
 
-from p2p_diloco.swarm.progress import TRAINING
+from p2p_diloco.swarm.liveness import answering
+from p2p_diloco.swarm.progress import READY, TRAINING
 from tests.swarm_helpers import progress_pair, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,3 +67,21 @@ def test_the_runs_history_outlives_the_records_it_was_read_from():
         history = mine.history()
         assert history is not None and (history.outer_step, history.peers) == (4, 1)
         assert history.age_s >= 3.0  # and it says how old
+
+
+def test_a_planned_member_that_does_not_answer_counts_in_no_plan_until_it_writes_again():
+    """A crashed member's READY record stands until it expires, and every round planned with it failed to form
+    (the simulation, 3 peers, seed 156). After a round that formed no group, the planned members that do not answer
+    twice count in no plan until they write another record (SwarmProgress.drop_silent)."""
+    with progress_pair(FINGERPRINT) as (nodes, (mine, theirs)):
+        mine.answering = functools.partial(answering, nodes[0].dht)
+        author = nodes[1].dht.peer_id.to_base58()
+        for progress in (mine, theirs):
+            progress.publish(3, sha("step 3"), TRAINING)
+            progress.publish(3, sha("step 3"), READY)
+        wait_until(lambda: len(mine.fetch()) == 2 and mine.fetch()[author].phase == READY, 30, "both READY records")
+        records = mine.fetch()
+        assert mine.drop_silent(records, [author]) == [] and author in mine.fetch()  # it answers
+        nodes[1].dht.shutdown()  # it crashed: its READY record stands on the first node until the TTL
+        assert mine.drop_silent(records, [author]) == [author]
+        assert author not in mine.fetch() and author not in mine.set_aside_records

@@ -158,6 +158,13 @@ class RoundFailed(RuntimeError):
         self.reported = reported
 
 
+class NoGroup(RoundFailed):
+    """No group formed around this peer: no leader took it in, or matchmaking gave up."""
+
+    def __init__(self, message: str = "no group formed"):
+        super().__init__(message, tensors_touched=False)
+
+
 class LeftBehind(RoundFailed):
     """The peers this peer planned to average with averaged without it (they moved past the step while
     it was still matching): it stopped waiting for a group that had gone, before any tensor moved."""
@@ -415,7 +422,7 @@ class OuterSync:
             self._hand_over(control, delta, indices, stop, times, deadline)
         gathered = self._wait(control, stop.is_set, left_behind, deadline, times)
         if gathered is None:
-            raise RoundFailed("no group formed", tensors_touched=False)
+            raise NoGroup()
         metadata = {}
         for peer, meta in gathered.items():  # checked in the averager process already: this cannot fail there
             metadata[peer.to_base58()], problem = parse(GroupMetadata, meta)
@@ -493,7 +500,7 @@ class OuterSync:
             except concurrent.futures.CancelledError as e:
                 raise RoundFailed("cancelled", tensors_touched=control.began_allreduce) from e
             except Exception as e:  # hivemind raises a handful of types for a round that never formed
-                raise RoundFailed(f"no group formed: {e!r}", tensors_touched=False) from e
+                raise NoGroup(f"no group formed: {e!r}") from e
             times.assembled = times.assembled or time.monotonic()
             return gathered
 

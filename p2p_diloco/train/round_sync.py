@@ -39,7 +39,7 @@ from p2p_diloco.protocol.plans import plan_averaging, plan_round
 from p2p_diloco.protocol.trust import moved_past
 from p2p_diloco.protocol.view import PeerProgress, dialable, ready_at, round_closing, went_on_without
 from p2p_diloco.swarm.progress import SwarmProgress
-from p2p_diloco.sync.outer_sync import GroupMean, LeftBehind, OuterSync, PendingDelta, RoundFailed
+from p2p_diloco.sync.outer_sync import GroupMean, LeftBehind, NoGroup, OuterSync, PendingDelta, RoundFailed
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class RoundSync:
                                    failed_attempts=failed, delta_may_be_committed=reported)
             except RoundFailed as e:  # with what the user can do about it, where there is something
                 reported = reported or e.reported
-                if not e.tensors_touched and membership is not None:  # a crashed member's READY record stands
+                if isinstance(e, NoGroup) and membership is not None:  # a crashed member's READY record stands
                     silent = self.progress.drop_silent(records, [m for m in membership.members if m != self.peer_id])
                     if silent:
                         logger.warning("outer step %d: no group formed; planned member(s) %s do not answer on the "
