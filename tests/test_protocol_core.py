@@ -6,6 +6,7 @@ import pytest
 
 from p2p_diloco.protocol.ledger import ASIDE_S, STRIKE_S, STRUCK_IN_HISTORY_S, TrustLedger, merge_seen
 from p2p_diloco.protocol.phases import TRANSITIONS, IllegalTransition, Phase, check_transition
+from p2p_diloco.protocol.membership import has_quorum
 from p2p_diloco.protocol.plans import keeps_work, plan_averaging
 from p2p_diloco.protocol.view import (
     COMMITTING, DIRECT, KEEPING, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, averaging_peers,
@@ -219,3 +220,12 @@ def test_a_load_keeps_the_work_of_a_missed_round_or_a_lost_vote_and_nothing_a_st
     assert keeps_work(4, 4, work_sent=False)  # the vote at its step went to another state
     assert not keeps_work(4, 5, work_sent=True)  # its Δ travelled in a failed round: the state may hold it
     assert not keeps_work(4, 7, work_sent=False)  # a jump: a Δ from three outer steps back is dropped
+
+
+def test_a_leader_runs_only_with_more_than_half_of_its_plan():
+    """Two halves of a plan that each met a leader of their own committed two states at one step (the simulation,
+    4 peers, seeds 105, 133, 138, 150): a minority group disbands."""
+    assert has_quorum(3, 4) and has_quorum(2, 3) and has_quorum(2, 2)
+    assert not has_quorum(2, 4) and not has_quorum(8, 16) and has_quorum(9, 16)
+    assert not has_quorum(1, 1)  # hivemind's min_group_size: a leader alone disbands
+    assert has_quorum(2, 0)  # a plan that counts nobody (no plan travelled): whoever came

@@ -37,6 +37,16 @@ def test_two_hundred_seeds_hold_the_invariants():
     assert found["longest_void_streak"] <= 3
 
 
+def test_two_hundred_seeds_of_four_peers_hold_the_invariants():
+    """Four peers: two pairs that each met a leader of their own committed two states at a step (seeds 105, 133,
+    138, 150) until a leader ran only with more than half of its plan (protocol.membership.has_quorum)."""
+    trials = [Trial(seed, 4, checked=CHECKED) for seed in range(SEEDS)]
+    reports = run_trials(trials, workers=2)
+    found = summary(reports)
+    assert found["violations"] == 0, f"{found}\n{_explain(trials, reports)}"
+    assert found["outer_steps_mean"] > 10
+
+
 def test_the_stall_at_step_2_is_found_on_the_old_rule_and_never_happens_on_the_new():
     old = Trial(0, 0, VOID_RULE, checked=(LIVENESS, VOID_TRAP), scenario="stall_at_step_2").run()
     assert old.honest_steps <= 2 and any(v.invariant == LIVENESS for v in old.violations)

@@ -54,7 +54,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 import p2p_diloco.faults as faults
-from p2p_diloco.protocol.membership import leader_rank
+from p2p_diloco.protocol.membership import has_quorum, leader_rank
 from p2p_diloco.sync.group_screen import GroupMetadata, ScreenedMatchmaking, parse_gathered
 
 WINDOW_MATCHMAKING_TIMES = 3  # a window, in matchmaking_time: time for every member to join
@@ -168,7 +168,8 @@ class PlannedMatchmaking(ScreenedMatchmaking):
     async def _lead(self, plan: GroupMetadata) -> Optional[GroupInfo]:
         """Take members until every one the plan names has joined, or none has joined for a window (since
         the last one did, or since this peer began to lead), or :data:`LEAD_WINDOWS` windows have passed;
-        then run with whoever came (at least ``min_group_size``), or disband. A member that joined waits
+        then run with whoever came if they are more than half of the plan (:func:`has_quorum`), or disband,
+        and its members ask the next leader. A member that joined waits
         three windows from its first request (:meth:`_join`), so it never gives up before this leader has
         decided."""
         loop = asyncio.get_event_loop()
@@ -196,7 +197,7 @@ class PlannedMatchmaking(ScreenedMatchmaking):
             async with self.lock_request_join_group:
                 if self.assembled_group.done():
                     return self.assembled_group.result()
-                if len(self.current_followers) + 1 >= self.min_group_size:
+                if has_quorum(len(self.current_followers) + 1, plan.expected, self.min_group_size):
                     return await self.leader_assemble_group()
                 await self.leader_disband_group()
                 return None

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from p2p_diloco.protocol.membership import has_quorum
 from p2p_diloco.sync.robust import AggregationRule, aggregate
 
 
@@ -94,7 +95,8 @@ class SimAverager:
             return
         if found.started is None and (set(found.planned) <= set(found.parts) or now >= found.leading + self.window_s):
             found.started = now
-            if len(found.parts) < 2:  # hivemind's min_group_size: a leader alone disbands, no tensor moved
+            if not has_quorum(len(found.parts), len(found.planned)):  # a leader alone, or a minority of its plan,
+                # disbands: no tensor moved (protocol.membership.has_quorum)
                 found.ends = now
                 found.outcome = RoundOutcome(tuple(found.parts), None, now, formed=False)
                 return
