@@ -68,6 +68,20 @@ class SilentPeers:
         self._misses: dict[str, int] = {}
         self._next_check = time.monotonic() + check_period_s
 
+    def confirm(self, dialable: Sequence[str]) -> list[str]:
+        """The peers among `dialable` that do not answer :data:`MISSES` times in a row, asked now and then every
+        `check_period_s` while any of them is still silent (a bounded wait: ``MISSES`` asks of
+        :data:`ANSWER_TIMEOUT_S` each); [] when this peer cannot ask."""
+        missing = list(dialable)
+        for ask in range(self.MISSES):
+            if self.answering is None or not missing:
+                return []
+            if ask:
+                time.sleep(self.check_period_s)
+            answered = self.answering(missing)
+            missing = [peer for peer in missing if peer not in answered]
+        return missing
+
     def check(self, dialable: Sequence[str]) -> list[str]:
         """The peers among `dialable` (the waited-for peers that others can dial) found gone by this check
         (none between checks)."""

@@ -174,18 +174,10 @@ class SwarmProgress:
         (:class:`~p2p_diloco.swarm.liveness.SilentPeers`' rule; a peer behind NAT may not answer, and is never
         asked); their records count in no plan until they write another
         (:meth:`~p2p_diloco.protocol.ledger.TrustLedger.found_silent`). None when this peer cannot ask."""
-        if self.answering is None:
-            return []
-        missing = dialable({peer: records[peer] for peer in peers if peer in records})
-        for check in range(SilentPeers.MISSES):
-            if not missing:
-                return []
-            if check:
-                time.sleep(SilentPeers.CHECK_PERIOD_S)
-            answered = self.answering(missing)
-            missing = [peer for peer in missing if peer not in answered]
-        self.ledger.found_silent(records, missing)
-        return missing
+        asked = dialable({peer: records[peer] for peer in peers if peer in records})
+        silent = SilentPeers(self.answering).confirm(asked)
+        self.ledger.found_silent(records, silent)
+        return silent
 
     def set_aside(self, claims: dict[str, tuple[int, str]], why: Optional[str] = None) -> None:
         """Ignore these peers' records while they claim the same outer step, for a while

@@ -23,7 +23,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2p_diloco.protocol.simulation.peer import LOST_MEMBER
 
 ONE_STATE, ALONE_AHEAD, UNCOMMITTED_LOAD, LIVENESS, LOST_WORK, VOID_TRAP = (
     "one_state_per_step", "alone_while_ahead", "uncommitted_load", "liveness", "lost_work", "void_trap")
@@ -89,7 +88,7 @@ class Invariants:
         if state.outer_step > 0 and not state.committed_by:
             self.breach(UNCOMMITTED_LOAD, peer.peer_id, f"adopted {state.sha256[:8]} at {state.outer_step}, which no "
                                                         f"honest peer committed")
-        if loaded and not kept and peer.held_samples and peer.work_sent != LOST_MEMBER:  # that one: lost to a crash
+        if loaded and not kept and peer.held_samples and not peer.work_sent:  # that one: lost to a crash
             # a jump of two steps or more: the peer missed rounds (frozen, cut off, or a joiner that trained from the
             # initial state before it read the run), and its Δ points where the run no longer is (keeps_work)
             stale = " (stale: a jump)" if state.outer_step > peer.outer_step + 1 else ""

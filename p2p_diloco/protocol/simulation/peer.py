@@ -43,7 +43,6 @@ WAIT_POLL_S = 0.5  # how often a ready peer reads whether its groupmates are (wa
 SILENT_CHECK_S, SILENT_MISSES = 2.0, 2  # SilentPeers: a busy peer that does not answer twice, 2 s apart, is gone
 ROUND_POLL_S = 0.2  # how often a matching member looks at its round
 LEFT_BEHIND_POLL_S = 1.0  # outer_sync.LEFT_BEHIND_POLL_S
-LOST_MEMBER = "lost member"  # SimPeer.work_sent
 
 
 @dataclass
@@ -80,11 +79,11 @@ class SimPeer:
     leave_at: float = math.inf
     left: bool = False
     attempts_at: tuple[int, int] = (-1, 0)
-    # why its held Δ may be in a state it did not commit (keeps_work then drops it on a load): LOST_MEMBER, its Δ
-    # travelled in a round that lost a member (the real peer's RoundFailed.reported, taken whenever a member is lost:
-    # the simulation does not say whether the loss came before the reports); "" none. A peer left behind while it
-    # matched keeps its work: it reports that round incomplete, so no groupmate commits it
-    work_sent: str = ""
+    # its held Δ went into a round that lost a member (the real peer's RoundFailed.reported, taken whenever a member
+    # is lost: the simulation does not say whether the loss came before the reports): a state may hold it, and
+    # keeps_work drops it on a load. A peer left behind while it matched keeps its work: it reports that round
+    # incomplete, so no groupmate commits it
+    work_sent: bool = False
     events: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -181,7 +180,7 @@ class SimPeer:
     def adopt(self, state: Any, how: str, donor: Optional[str] = None) -> None:
         """Take `state` (a SimState of the run's registry) as its own: loaded, or the round it averaged in."""
         loaded = how.startswith("loaded")
-        kept = loaded and keeps_work(self.outer_step, state.outer_step, bool(self.work_sent))
+        kept = loaded and keeps_work(self.outer_step, state.outer_step, self.work_sent)
         self.swarm.invariants.on_adopt(self, state, loaded, kept)
         if loaded and not kept:
             self.counts.samples_dropped += self.held_samples
@@ -191,7 +190,7 @@ class SimPeer:
         if not kept:  # its Δ moves onto the loaded state as it is (rebased), or goes with the old one
             self.delta = torch.zeros_like(self.delta)
             self.held_steps = 0
-        self.work_sent = ""
+        self.work_sent = False
         self.last_progress = self.now
         self.ledger.served(state.outer_step, state.sha256, donor)
         self.publish(self.outer_step, self.sha256, TRAINING)
@@ -266,7 +265,7 @@ class SimPeer:
             if outcome.mean is not None:
                 yield from self.committing(step, sha)
                 return self.apply(self.swarm.commit(outcome, step, sha), f"averaged in {len(outcome.members)}")
-            self.work_sent = LOST_MEMBER  # its Δ travelled in a round that failed: a state may hold it
+            self.work_sent = True  # its Δ travelled in a round that failed: a state may hold it
             if attempt == settings.attempts:
                 return f"failed: members lost: {outcome.failed}"
             records = {p: r for p, r in self.fetch().items() if p not in outcome.failed or self.swarm.answers(p)}
