@@ -6,7 +6,7 @@ import pytest
 
 from p2p_diloco.protocol.ledger import ASIDE_S, STRIKE_S, STRUCK_IN_HISTORY_S, TrustLedger, merge_seen
 from p2p_diloco.protocol.phases import TRANSITIONS, IllegalTransition, Phase, check_transition
-from p2p_diloco.protocol.membership import has_quorum
+from p2p_diloco.protocol.membership import has_quorum, quorum_of
 from p2p_diloco.protocol.plans import keeps_work, plan_averaging
 from p2p_diloco.protocol.view import (
     COMMITTING, DIRECT, KEEPING, LOADING, READY, TRAINING, PeerProgress, RunHistory, averages, averaging_peers,
@@ -229,3 +229,15 @@ def test_a_leader_runs_only_with_more_than_half_of_its_plan():
     assert not has_quorum(2, 4) and not has_quorum(8, 16) and has_quorum(9, 16)
     assert not has_quorum(1, 1)  # hivemind's min_group_size: a leader alone disbands
     assert has_quorum(2, 0)  # a plan that counts nobody (no plan travelled): whoever came
+
+
+def test_the_quorum_counts_the_peers_read_ready_at_the_step_since_the_plan():
+    """A plan made before the others' READY records were read (seed 73 of 16 peers: a partition healed meanwhile)
+    must not let its 3 members pass for a quorum beside 9 others ready at the step."""
+    planned = ("p1", "p2", "p3", "p4", "p5")
+    records = {f"q{i}": rec(f"q{i}", 2, READY) for i in range(9)}
+    records.update(late=rec("late", 2, COMMITTING), other=rec("other", 2, READY, sha=B), behind=rec("behind", 1, READY),
+                   training=rec("training", 2, TRAINING), p1=rec("p1", 2, READY))
+    quorum = quorum_of(planned, records, 2, A)
+    assert quorum == set(planned) | {f"q{i}" for i in range(9)} | {"late"}  # not another state, step or phase
+    assert not has_quorum(3, len(quorum)) and has_quorum(3, len(quorum_of(planned, {}, 2, A)))

@@ -10,7 +10,7 @@ from p2p_diloco.protocol.simulation.campaign import Trial, replay, run_trials, s
 from p2p_diloco.protocol.simulation.invariants import (
     ALONE_AHEAD, INVARIANTS, LIVENESS, ONE_STATE, VOID_TRAP,
 )
-from p2p_diloco.protocol.simulation.schedule import LIAR, SCENARIOS
+from p2p_diloco.protocol.simulation.schedule import SCENARIOS
 from p2p_diloco.protocol.simulation.swarm import SimSettings
 
 pytestmark = pytest.mark.timeout(240)
@@ -85,20 +85,26 @@ def test_each_past_race_is_a_scenario_that_holds(name):
 
 
 def test_sixteen_honest_peers_form_one_group_per_step():
-    """16 peers arriving together, 1 or 2 s apart, or minutes apart, with crashes, freezes and lagging reads: no
-    step gets two states. Before a READY record named the leader its author asks first, peers that planned later
-    than the first (joiners that loaded the step, peers that waited longer) ranked another leader first and formed
-    a second group at the step (seed 8); a group left behind waited out its leaders together and committed a step
-    the run had left (seed 39). A schedule with a liar is checked for every invariant but one state per step: among
-    16 peers a liar's claims still split a step now and then (a known defect, docs/benchmarks.md)."""
-    schedules = [Trial(seed, 16) for seed in range(24)]
-    with_liar = tuple(name for name in INVARIANTS if name != ONE_STATE)
-    trials = [Trial(t.seed, 16, checked=with_liar if any(p.kind == LIAR for p in t.schedule().peers) else INVARIANTS)
-              for t in schedules]
+    """16 peers arriving together, 1 or 2 s apart, or minutes apart, with crashes, freezes, partitions, lagging
+    reads and liars: no step gets two states. Before a READY record named the leader its author asks first, peers
+    that planned later than the first (joiners that loaded the step, peers that waited longer) ranked another leader
+    first and formed a second group at the step (seed 8); a group left behind waited out its leaders together and
+    committed a step the run had left (seed 39); a leader whose plan was older than the others' READY records formed
+    a group of 3 beside 9 (seeds 27, 36 and 73, protocol.membership.quorum_of)."""
+    trials = [Trial(seed, 16, checked=INVARIANTS) for seed in (*range(24), 27, 36, 73, 78)]
     reports = run_trials(trials, workers=2)
     found = summary(reports)
     assert found["violations"] == 0, f"{found}\n{_explain(trials, reports)}"
     assert found["outer_steps_mean"] > 10
+
+
+def test_a_leader_that_counts_only_its_own_plan_forks_sixteen_peers(monkeypatch):
+    """Seed 73 of 16 peers: a leader whose plan was made before a partition healed took 3 of the 15 peers ready at
+    the step as a quorum of its plan of 5, and the 9 others committed a second state at the step. The leader's
+    quorum counts the peers it reads ready meanwhile (protocol.membership.quorum_of); without it the fork is back."""
+    assert not Trial(73, 16, checked=(ONE_STATE,)).run().violations
+    monkeypatch.setattr(sim_peer, "quorum_of", lambda planned, records, step, sha: frozenset(planned))
+    assert [v.invariant for v in Trial(73, 16, checked=(ONE_STATE,)).run().violations] == [ONE_STATE]
 
 
 def test_a_seed_replays_exactly():

@@ -82,10 +82,20 @@ def plan_membership(records: dict[str, PeerProgress], outer_step: int, global_sh
     return Membership(tuple(leaders), tuple(sorted(members)), tuple(dialable))
 
 
+def quorum_of(planned: Collection[str], records: dict[str, PeerProgress], outer_step: int,
+              global_sha256: str) -> frozenset[str]:
+    """The peers a group at `outer_step` from `global_sha256` must hold more than half of (:func:`has_quorum`): the
+    members of the leader's plan and every peer its records, read again while the group forms, show ready at the
+    step from that state. A plan made from records read before the others were (a partition that healed while the
+    leader waited for its first leader's window) held 5 of the 15 peers ready at the step: 3 of them formed a group,
+    and the 9 others a second one at the same step (the simulation, 16 peers, seeds 73 and 78)."""
+    return frozenset(planned) | frozenset(ready_at(records, outer_step, global_sha256))
+
+
 def has_quorum(came: int, planned: int, min_group_size: int = 2) -> bool:
     """Whether a leader runs the round with the `came` peers it holds (itself included) once its windows are over:
-    at least ``min_group_size``, and more than half of the `planned` members of its plan, so that no two groups of
-    one plan commit at one step. Two halves of a plan that each met a leader of its own (members that failed over
+    at least ``min_group_size``, and more than half of the `planned` members of its plan (and of the peers read
+    ready at the step since, :func:`quorum_of`), so that no two groups of one plan commit at one step. Two halves of a plan that each met a leader of its own (members that failed over
     from an absent or frozen leader ask the next leader of their own plan) each committed a state at the step: 4
     one-state events in 200 seeds of 4 peers, 8 in 100 of 16 (the simulation); a minority group disbands and its
     members ask the next leader, or try the step again at their next round."""

@@ -189,7 +189,7 @@ class PlannedMatchmaking(ScreenedMatchmaking):
                 planned = self._planned_followers(plan)
                 if planned > joined:
                     joined, last_joined = planned, loop.time()
-                if joined + 1 >= max(plan.expected, self.min_group_size):
+                if joined + 1 >= max(self._quorum_size(plan), self.min_group_size):
                     async with self.lock_request_join_group:
                         if not self.assembled_group.done():
                             return await self.leader_assemble_group()
@@ -197,7 +197,7 @@ class PlannedMatchmaking(ScreenedMatchmaking):
             async with self.lock_request_join_group:
                 if self.assembled_group.done():
                     return self.assembled_group.result()
-                if has_quorum(len(self.current_followers) + 1, plan.expected, self.min_group_size):
+                if has_quorum(len(self.current_followers) + 1, self._quorum_size(plan), self.min_group_size):
                     return await self.leader_assemble_group()
                 await self.leader_disband_group()
                 return None
@@ -220,6 +220,13 @@ class PlannedMatchmaking(ScreenedMatchmaking):
         await self.group_key_manager.update_key_on_group_assembled(group_info)
         self.assembled_group.set_result(group_info)
         return group_info
+
+    def _quorum_size(self, plan: GroupMetadata) -> int:
+        """How many peers this leader's group is planned for: its plan's members, and the peers the training
+        process read ready at the step since (:func:`~p2p_diloco.protocol.membership.quorum_of`, handed over with
+        the members by :meth:`~p2p_diloco.sync.exact_allreduce.ExactMeanAverager.plan_members`)."""
+        token, members = self.planned_members
+        return max(plan.expected, len(members)) if token == plan.token else plan.expected
 
     def _planned_followers(self, plan: GroupMetadata) -> int:
         """Followers that this peer's plan names: others may join too, but fill no member's place. None

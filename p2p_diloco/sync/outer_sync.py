@@ -82,7 +82,7 @@ def _refuse_abandoned(delta: "PendingDelta") -> None:
         raise RoundFailed("this peer stopped before its pseudo-gradient was taken", tensors_touched=False)
 
 
-LEFT_BEHIND_POLL_S = 1.0  # how often a peer still matching reads whether its group went on without it
+LEFT_BEHIND_POLL_S = 1.0  # how often a peer still matching reads the run (WhileForming)
 ROUND_POLL_S = 0.05  # how often a peer waiting for its round looks at it (cancels, and when its group formed)
 ASSEMBLED = (AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)  # its group is formed
 
@@ -171,6 +171,16 @@ class LeftBehind(RoundFailed):
 
     def __init__(self):
         super().__init__("the group averaged without this peer", tensors_touched=False)
+
+
+@dataclass(frozen=True)
+class WhileForming:
+    """What this peer reads of the run while its round's group forms (asked once a second, until the all-reduce
+    begins): whether its planned groupmates went on without it, and whom its group must hold more than half of
+    (:func:`~p2p_diloco.protocol.membership.quorum_of`: its plan and every peer read ready at the step since)."""
+
+    left_behind: bool = False
+    quorum: frozenset[str] = frozenset()
 
 
 def averager_prefix(run_name: str, fingerprint: str) -> str:
@@ -319,7 +329,7 @@ class OuterSync:
         fragment: int = 0,
         stop: Optional[threading.Event] = None,
         membership: Optional[Membership] = None,
-        left_behind: Callable[[], bool] = lambda: False,
+        watch: Callable[[], WhileForming] = WhileForming,
     ) -> GroupMean:
         """Average `fragment` of the pseudo-gradient (its tensors, in order; with error feedback, already
         compensated) with the peers at this outer step that hold the same θ_global (`global_sha256`): the
@@ -328,8 +338,9 @@ class OuterSync:
 
         Returns only a mean that every groupmate holds too (see p2p_diloco.sync.commit) and whose every
         reducer passed its audit (p2p_diloco.sync.audit); raises RoundFailed otherwise, and then this peer
-        must apply nothing: :class:`LeftBehind` when `left_behind` (asked about once a second until the
-        all-reduce begins) says the group went on without this peer. A reducer that this peer's own observation convicts (it sent this peer other
+        must apply nothing: :class:`LeftBehind` when `watch` (asked once a second until the all-reduce begins)
+        says the group went on without this peer; the peers it reads ready at the step meanwhile widen the quorum
+        this peer's group needs if this peer leads it (:class:`WhileForming`). A reducer that this peer's own observation convicts (it sent this peer other
         averaged bytes than it states it sent everyone, or this peer's audit found its result wrong) is
         banned from this peer's groups. With `record_sent` the result's ``sent`` holds what the group
         counted of `pseudo_gradient`: the codec's round trip of each of its parts.
@@ -345,7 +356,7 @@ class OuterSync:
         times = RoundTimes(started=time.monotonic())
         try:
             result = self._all_reduce(delta, samples, outer_step, global_sha256, fragment, token, stop,
-                                     membership, left_behind, times)
+                                     membership, watch, times)
             times.reduced = time.monotonic()
             digests = self.averager.round_digests(token, timeout=self.cfg.commit_timeout)
             if digests is None:
@@ -396,7 +407,7 @@ class OuterSync:
 
     def _all_reduce(
         self, delta: PendingDelta, samples: int, outer_step: int, global_sha256: str, fragment: int, token: str,
-        stop: threading.Event, membership: Optional[Membership], left_behind: Callable[[], bool], times: RoundTimes,
+        stop: threading.Event, membership: Optional[Membership], watch: Callable[[], WhileForming], times: RoundTimes,
     ) -> GroupMean:
         self.averager.set_group_bits(group_bits(outer_step))
         indices = self.averager.fragments[fragment]
@@ -420,7 +431,7 @@ class OuterSync:
         deadline = time.monotonic() + timeout + self.cfg.allreduce_timeout
         if ahead:
             self._hand_over(control, delta, indices, stop, times, deadline)
-        gathered = self._wait(control, stop.is_set, left_behind, deadline, times)
+        gathered = self._wait(control, stop.is_set, self._watching(token, membership, watch), deadline, times)
         if gathered is None:
             raise NoGroup()
         metadata = {}
@@ -469,6 +480,23 @@ class OuterSync:
                               else "this peer's pseudo-gradient did not come in time", tensors_touched=False)
         self._load(indices, delta, times)
         control.allow_allreduce()
+
+    def _watching(self, token: str, membership: Optional[Membership],
+                  watch: Callable[[], WhileForming]) -> Callable[[], bool]:
+        """`watch` as the wait asks it: whether this peer was left behind, after handing the averager the peers
+        its group must hold more than half of, when more are ready than its plan named (as the round's leader it
+        then runs only with a majority of them: :class:`~p2p_diloco.sync.membership.PlannedMatchmaking`)."""
+        quorum = frozenset(membership.members) if membership is not None else frozenset()
+
+        def left_behind() -> bool:
+            nonlocal quorum
+            seen = watch()
+            if membership is not None and not seen.quorum <= quorum:
+                quorum |= seen.quorum
+                self.averager.plan_members(token, sorted(quorum))
+            return seen.left_behind
+
+        return left_behind
 
     def _wait(self, control, should_stop: Callable[[], bool], left_behind: Callable[[], bool], deadline: float,
               times: RoundTimes):

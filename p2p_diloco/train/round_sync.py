@@ -34,12 +34,14 @@ from typing import Optional, Union
 
 import torch
 
-from p2p_diloco.protocol.membership import Membership, plan_membership
+from p2p_diloco.protocol.membership import Membership, plan_membership, quorum_of
 from p2p_diloco.protocol.plans import plan_averaging, plan_round
 from p2p_diloco.protocol.trust import moved_past
 from p2p_diloco.protocol.view import PeerProgress, dialable, ready_at, round_closing, went_on_without
 from p2p_diloco.swarm.progress import SwarmProgress
-from p2p_diloco.sync.outer_sync import GroupMean, LeftBehind, NoGroup, OuterSync, PendingDelta, RoundFailed
+from p2p_diloco.sync.outer_sync import (
+    GroupMean, LeftBehind, NoGroup, OuterSync, PendingDelta, RoundFailed, WhileForming,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +135,7 @@ class RoundSync:
                 planned = membership  # this attempt's: the left-behind check counts its members
                 result = self.sync.average(to_send, samples, step, global_sha256, fragment, stop=self.stop_event,
                                            membership=membership,
-                                           left_behind=lambda: self._went_on_without(step, planned))
+                                           watch=lambda: self._while_forming(step, global_sha256, planned))
                 result.attempt = attempt
                 result.phases = dict(wait=waited_s, **result.phases)
                 return SyncOutcome(result, failed_attempts=failed)
@@ -186,14 +188,17 @@ class RoundSync:
         self._attempts_at = (step, made + 1 if at == step else 1)
         return self._attempts_at[1]
 
-    def _went_on_without(self, step: int, membership: Optional[Membership]) -> bool:
-        """Whether the peers at `step` averaged without this peer: more of the members it planned its round with
-        are past the step than still ready or training at it (:func:`~p2p_diloco.protocol.view.went_on_without`).
-        A peer that arrives at a step as its group starts (a joiner that just loaded the state) plans a membership
-        whose members are already averaging: without this it waited out every leader's window,
-        3 × 3 × ``matchmaking_time``, before it caught up."""
+    def _while_forming(self, step: int, global_sha256: str, membership: Optional[Membership]) -> WhileForming:
+        """What the records say while this peer's group forms. Left behind: the peers at `step` averaged without
+        this peer, more of the members it planned its round with past the step than still ready or training at it
+        (:func:`~p2p_diloco.protocol.view.went_on_without`; a peer that arrives at a step as its group starts, a
+        joiner that just loaded the state, plans a membership whose members are already averaging: without this it
+        waited out every leader's window, 3 × 3 × ``matchmaking_time``, before it caught up). And the quorum its
+        group needs if this peer leads it (:func:`~p2p_diloco.protocol.membership.quorum_of`)."""
+        records = self.progress.fetch()
         among = None if membership is None else membership.members
-        return went_on_without(self.progress.fetch(), step, self.peer_id, among)
+        quorum = frozenset() if membership is None else quorum_of(membership.members, records, step, global_sha256)
+        return WhileForming(went_on_without(records, step, self.peer_id, among), quorum)
 
     def _answering(self, records: dict[str, PeerProgress], step: int) -> dict[str, PeerProgress]:
         """The records, less those of peers ready at `step` that no longer answer on the network (the

@@ -33,6 +33,7 @@ class SimRound:
     parts: dict[str, tuple[torch.Tensor, float]] = field(default_factory=dict)  # member -> (what it sends, claim)
     leading: Optional[float] = None  # when the leader itself came: it takes members from then on
     started: Optional[float] = None
+    started_apart: bool = False  # it started while a partition was on: its members saw one side of the run
     ends: float = math.inf  # when its all-reduce, reports and audit are over
     outcome: Optional["RoundOutcome"] = None
 
@@ -44,6 +45,7 @@ class RoundOutcome:
     known_at: float  # when the members learn it
     failed: tuple[str, ...] = ()  # members lost mid-round
     formed: bool = True  # False: fewer than two members came; nothing moved
+    formed_apart: bool = False  # its group formed while a partition was on (SimRound.started_apart)
     applied: Optional[tuple] = None  # what its members apply, computed once (SimSwarm.commit)
 
 
@@ -55,6 +57,7 @@ class SimAverager:
     window_s: float  # a leader takes members for this long (3 × matchmaking_time)
     failure_detection_s: float  # how long the survivors of a round that lost a member wait to know it
     present: Callable[[str, str], bool]  # whether a peer is alive, not frozen, and reachable from another
+    partitioned: Callable[[], bool]  # whether a partition is on
     rounds: dict[tuple[int, str, str], SimRound] = field(default_factory=dict)
     member_of: dict[str, SimRound] = field(default_factory=dict)  # peer -> the round it joined last
 
@@ -94,7 +97,7 @@ class SimAverager:
         if found.leading is None:
             return
         if found.started is None and (set(found.planned) <= set(found.parts) or now >= found.leading + self.window_s):
-            found.started = now
+            found.started, found.started_apart = now, self.partitioned()
             if not has_quorum(len(found.parts), len(found.planned)):  # a leader alone, or a minority of its plan,
                 # disbands: no tensor moved (protocol.membership.has_quorum)
                 found.ends = now
@@ -110,9 +113,11 @@ class SimAverager:
             members = tuple(sorted(found.parts))
             lost = tuple(m for m in members if not all(self.present(m, other) for other in members if other != m))
             if lost:
-                found.outcome = RoundOutcome(members, None, found.ends + self.failure_detection_s, lost)
+                found.outcome = RoundOutcome(members, None, found.ends + self.failure_detection_s, lost,
+                                             formed_apart=found.started_apart)
             else:
                 parts = [found.parts[m][0] for m in members]
                 claims = [found.parts[m][1] for m in members]
-                found.outcome = RoundOutcome(members, aggregate(parts, claims, self.rule), found.ends)
+                found.outcome = RoundOutcome(members, aggregate(parts, claims, self.rule), found.ends,
+                                             formed_apart=found.started_apart)
         return found.outcome

@@ -2,9 +2,10 @@
 
 * **one state per step**: no outer step has two states committed by honest peers, while one of the first
   state's committers is alive (a history whose every holder crashed is lost: a new one may start); a side
-  of a partition that cannot see the run's history may fork it: counted apart, the cost of availability, and
-  so are the fork's later steps, until the two histories meet again once the partition heals (the larger
-  group keeps its state: :func:`~p2p_diloco.protocol.trust.choose_target`);
+  of a partition that cannot see the run's history may fork it (a round whose group formed while the partition
+  was on, even if it commits a moment after it healed): counted apart, the cost of availability, and so are
+  the fork's later steps, until the two histories meet again once the partition heals (the larger group keeps
+  its state: :func:`~p2p_diloco.protocol.trust.choose_target`);
 * **never alone while the run is ahead**: no honest peer takes a step alone while the run's history (a state
   honest peers committed) is at a later step, unless every committer of that history crashed (counted apart);
 * **only committed states are loaded**: no honest peer loads a state that honest peers did not commit;
@@ -51,6 +52,7 @@ class Invariants:
     _next_liveness_check: float = 0.0
     _stalled: set[str] = field(default_factory=set)
     forked_apart: set[str] = field(default_factory=set)  # states of a history forked in a partition, and their heirs
+    formed_apart: set[str] = field(default_factory=set)  # states whose round's group formed while a partition was on
 
     def breach(self, invariant: str, peer: str, detail: str, of_partition: bool = False) -> None:
         if (self.swarm.dht.partition or of_partition) and invariant in (ONE_STATE, ALONE_AHEAD):
@@ -59,7 +61,9 @@ class Invariants:
         if invariant in self.checked:
             self.violations.append(Violation(invariant, self.swarm.loop.now, peer, detail))
 
-    def on_commit(self, state: Any, honest_members: list[str]) -> None:
+    def on_commit(self, state: Any, honest_members: list[str], formed_apart: bool = False) -> None:
+        """Check one state per step as `state` is committed by `honest_members`; `formed_apart`: its group formed while
+        a partition was on (a minority side's round that commits a moment after the partition heals is its fork)."""
         if not honest_members:
             return
         # a state all of whose committers crashed is a history lost by crashes: a new one may start
@@ -67,8 +71,11 @@ class Invariants:
                   and any(self.swarm.alive(peer) for peer in self.swarm.states[sha].committed_by)}
         if state.parent in self.forked_apart:
             self.forked_apart.add(state.sha256)
+        if formed_apart:
+            self.formed_apart.add(state.sha256)
         if others:
-            of_partition = bool(self.swarm.dht.partition) or bool(({state.sha256} | others) & self.forked_apart)
+            of_partition = bool(self.swarm.dht.partition) or bool(({state.sha256} | others)
+                                                                  & (self.forked_apart | self.formed_apart))
             if of_partition:
                 self.forked_apart.add(state.sha256)
             self.breach(ONE_STATE, honest_members[0], f"outer step {state.outer_step}: {state.sha256[:8]} beside "

@@ -27,7 +27,7 @@ import torch
 
 from p2p_diloco.protocol.decide import LOAD, WAIT, Move, next_move
 from p2p_diloco.protocol.ledger import STRUCK_IN_HISTORY_S, Seen, TrustLedger, remember
-from p2p_diloco.protocol.membership import plan_membership
+from p2p_diloco.protocol.membership import plan_membership, quorum_of
 from p2p_diloco.protocol.phases import check_transition
 from p2p_diloco.protocol.plans import RoundPlan, keeps_work, plan_averaging, plan_round
 from p2p_diloco.protocol.trust import is_verifiable, moved_past, unverified_step_trusted
@@ -324,7 +324,10 @@ class SimPeer:
                     return outcome
                 if joined.started is None and self.now >= next_look:
                     next_look = self.now + LEFT_BEHIND_POLL_S
-                    if went_on_without(self.fetch(), step, self.peer_id, planned):
+                    records = self.fetch()
+                    if joined.leader == self.peer_id:  # the leader's quorum counts whom it reads ready meanwhile
+                        joined.planned = quorum_of(joined.planned, records, step, sha)
+                    if went_on_without(records, step, self.peer_id, planned):
                         joined.parts.pop(self.peer_id, None)
                         return "left behind"
                 yield ROUND_POLL_S

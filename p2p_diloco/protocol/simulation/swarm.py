@@ -110,7 +110,8 @@ class SimSwarm:
         self.invariants = Invariants(self, settings.liveness_bound_s, settings.max_void_streak, checked)
         self.loop = Loop(self.invariants.after_event)
         self.dht = SimDHT(self.rng, self.faults, settings.ttl)
-        self.averager = SimAverager(settings.rule, settings.window_s, settings.failure_detection_s, self.present)
+        self.averager = SimAverager(settings.rule, settings.window_s, settings.failure_detection_s, self.present,
+                                    lambda: bool(self.dht.partition))
         generator = torch.Generator().manual_seed(seed)
         direction = torch.randn(settings.dims, generator=generator)
         self.direction = direction / direction.norm()
@@ -177,7 +178,7 @@ class SimSwarm:
                 update, history, params, settings.max_growth) else UpdateVerdict(APPLY)
         return judge_update(update, history, params, settings.max_growth)
 
-    def _commit(self, mean: torch.Tensor, step: int, sha: str, members: tuple[str, ...]):
+    def _commit(self, mean: torch.Tensor, step: int, sha: str, members: tuple[str, ...], formed_apart: bool = False):
         parent = self.states[sha]
         verdict = self._verdict(mean, parent)
         if verdict.action == VOID:
@@ -188,7 +189,7 @@ class SimSwarm:
         self._serial += 1
         state = SimState(step + 1, state_sha256(sha, step + 1, members, self._serial), params, momentum, sha)
         honest = [m for m in members if self.peers[m].honest]
-        self.invariants.on_commit(state, honest)
+        self.invariants.on_commit(state, honest, formed_apart)
         state.committed_by.update(honest)
         self.states[state.sha256] = state
         if honest:
@@ -198,7 +199,7 @@ class SimSwarm:
     def commit(self, outcome: RoundOutcome, step: int, sha: str):
         """What the members of a round that ended with a mean apply: computed once for all of them."""
         if outcome.applied is None:  # kept on the outcome: an id() of a freed outcome is reused, and replays differed
-            outcome.applied = self._commit(outcome.mean, step, sha, outcome.members)
+            outcome.applied = self._commit(outcome.mean, step, sha, outcome.members, outcome.formed_apart)
         return outcome.applied
 
     def commit_alone(self, peer: SimPeer, sent: torch.Tensor):
