@@ -42,6 +42,19 @@ def test_what_the_group_did_not_count_is_owed_to_the_next_send():
     assert not work.error_feedback.residual[0].any()
 
 
+def test_what_the_group_did_not_count_goes_into_theta_local_with_the_merge():
+    """The residual leaves the error feedback for θ_local: merged with θ_global − e, the next Δ holds e, as a
+    compensated send would, and the inner steps start from the point that holds it (train/error_feedback.py)."""
+    work, global_model = local_work(0)
+    trained(work, global_model)
+    global_model.apply([torch.ones(SHAPES[0])], [0])
+    global_model.merge_into(work.params, [0], alpha=0.0, owed=work.owed([0]))
+    assert not work.error_feedback.residual[0].any()  # owed once: to θ_local, not to the next send as well
+    delta = global_model.pseudo_gradient(work.params, [0])[0]
+    assert torch.allclose(delta, torch.full(SHAPES[0], 0.25)) and torch.equal(work.to_send([0], [delta])[0], delta)
+    assert work.owed([1])[0].equal(torch.zeros(SHAPES[1]))  # fragment 1 owes nothing
+
+
 def test_a_checkpoint_restores_all_of_it():
     work, global_model = local_work(0)
     trained(work, global_model)

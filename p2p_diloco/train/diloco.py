@@ -373,7 +373,8 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
         self.island.pull()  # the inner steps run while the sync was in flight
         with self._state_lock:
             self.global_model.apply(result.mean, indices)
-            self.global_model.merge_into(self.local_params, indices, self.cfg.outer.merge_alpha)
+            self.global_model.merge_into(self.local_params, indices, self.cfg.outer.merge_alpha,
+                                         owed=self.local.owed(indices))
             self.island.changed(self.inner.steps_done, indices)
             self.last_group_size = result.group_size
             self._after_state_change()

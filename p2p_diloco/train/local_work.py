@@ -107,6 +107,12 @@ class LocalWork:
         if self.error_feedback is not None:
             self.error_feedback.commit(indices, to_send, to_send if counted is None else counted)
 
+    def owed(self, indices: Sequence[int]) -> Optional[list[torch.Tensor]]:
+        """What the group did not count of this peer's last send of the fragment at `indices`, to merge into θ_local
+        with the outer step (:meth:`~p2p_diloco.train.error_feedback.ErrorFeedback.take`); None without error
+        feedback."""
+        return None if self.error_feedback is None else self.error_feedback.take(indices)
+
     def sent_in_failed_round(self, fragment: int) -> None:
         """This peer's Δ of `fragment` went into a round that failed after this peer reported it complete: a groupmate
         may have committed it, and a state loaded next may hold it (`RoundFailed.reported`)."""

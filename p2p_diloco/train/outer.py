@@ -99,12 +99,15 @@ class GlobalModel:
             self.merge_into(local_params, indices, alpha=0.0)
 
     @torch.no_grad()
-    def merge_into(self, local_params: Sequence[torch.Tensor], indices: Sequence[int], alpha: float) -> None:
-        """θ_local ← α·θ_local + (1 − α)·θ_global at `indices` (the overlap merge of Streaming DiLoCo, arXiv 2501.18512);
-        α = 0 copies θ_global, as DiLoCo does."""
-        self._transfer(local_params, indices).scatter(
-            [self.params[i] for i in indices], [local_params[i] for i in indices], alpha
-        )
+    def merge_into(self, local_params: Sequence[torch.Tensor], indices: Sequence[int], alpha: float,
+                   owed: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """θ_local ← α·θ_local + (1 − α)·(θ_global − e) at `indices` (the overlap merge of Streaming DiLoCo, arXiv
+        2501.18512), with e what the group did not count of this peer's send (`owed`, error feedback's residual:
+        :mod:`p2p_diloco.train.error_feedback`; None: zero); α = 0 and no residual copy θ_global, as DiLoCo does."""
+        target = [self.params[i] for i in indices]
+        if owed is not None:
+            target = [param - residual for param, residual in zip(target, owed, strict=True)]
+        self._transfer(local_params, indices).scatter(target, [local_params[i] for i in indices], alpha)
 
     @torch.no_grad()
     def rebase(self, local_params: Sequence[torch.Tensor], indices: Sequence[int],
