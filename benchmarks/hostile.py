@@ -76,7 +76,8 @@ ATTACKS = ("scale:100", "scale:3", "flip", "noise:100", "samples", "samples:10",
            "garbage-reducer", "equivocating-reducer")
 HONEST = ("clean", "island")  # the cells of 0 hostile peers: all plain peers, or the first of them an island
 DEFENCES = {"on": {},  # [outer] settings
-            "old": {"claim_cap": 1.0, "norm_clip": 2.0},  # the rule before issue 44: the median cap, 2 × the median norm
+            # the rule before issue 44: the median cap, 2 × the median norm, −Δ counted
+            "old": {"claim_cap": 1.0, "norm_clip": 2.0, "drop_opposed": False},
             "off": {"aggregation": "mean", "max_update_growth": 0}}
 ISLAND = sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "p2p_diloco.cli"
 HOSTILE = sys.executable, "-m", "tests.hostile_peer"

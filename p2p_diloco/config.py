@@ -214,6 +214,8 @@ class OuterConfig:
     trim_fraction: float = in_range(0.25, 0.0, 0.5)
     claim_cap: float = _spec(4.0, lambda v: _is_num(v) and v >= 1, "a number >= 1")
     norm_clip: float = _spec(1.0, lambda v: _is_num(v) and v >= 1, "a number >= 1")
+    # CenteredClip: a part pointing away from the coordinate-wise median (a negative inner product) counts nothing
+    drop_opposed: bool = boolean(True)
     # a round's mean g of a fragment is void on every peer if ‖g‖ > max_update_growth × ‖b‖ (b: the fragment's
     # outer momentum), or ‖g‖ > ‖θ_global‖ at its first outer step (p2p_diloco.train.update_check); 0: no check
     max_update_growth: float = non_negative(16.0)

@@ -179,7 +179,8 @@ def assistance_request(shapes: list, codec: str, rule: AggregationRule) -> Assis
                              allreduce_timeout=CFG.allreduce_timeout, next_chunk_timeout=CFG.next_chunk_timeout,
                              codec=codec, aggregation=rule.name, clip_factor=rule.clip_factor,
                              clip_iterations=rule.clip_iterations, trim_fraction=rule.trim_fraction,
-                             claim_cap=rule.claim_cap, norm_clip=rule.norm_clip, time=time.time())
+                             claim_cap=rule.claim_cap, norm_clip=rule.norm_clip, drop_opposed=rule.drop_opposed,
+                             time=time.time())
 
 
 def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: list[int], round_: dict,

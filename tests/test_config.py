@@ -158,7 +158,7 @@ def test_the_aggregation_settings_are_checked_and_part_of_the_fingerprint(tmp_pa
     bad = tmp_path / "bad.toml"
     for setting, value in [("aggregation", '"median"'), ("clip_factor", "0.5"), ("clip_iterations", "0"),
                            ("trim_fraction", "0.6"), ("max_update_growth", "-1"), ("claim_cap", "0.5"),
-                           ("norm_clip", "0")]:
+                           ("norm_clip", "0"), ("drop_opposed", '"yes"')]:
         bad.write_text(f"[outer]\n{setting} = {value}\n")
         with pytest.raises(ConfigError, match=f"outer.{setting}"):
             load_config(bad)
@@ -166,6 +166,6 @@ def test_the_aggregation_settings_are_checked_and_part_of_the_fingerprint(tmp_pa
     exact = tmp_path / "exact.toml"
     exact.write_text('[outer]\naggregation = "mean"\n')
     assert run_fingerprint(load_config(exact), "0" * 64) != base
-    for setting in ("claim_cap", "norm_clip"):
-        exact.write_text(f"[outer]\n{setting} = 2.0\n")
+    for setting, value in (("claim_cap", "2.0"), ("norm_clip", "2.0"), ("drop_opposed", "false")):
+        exact.write_text(f"[outer]\n{setting} = {value}\n")
         assert run_fingerprint(load_config(exact), "0" * 64) != base, setting

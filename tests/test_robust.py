@@ -11,13 +11,13 @@ import torch
 
 from p2p_diloco.fixed_order import lower_median, norm, pairwise_sum
 from p2p_diloco.sync.robust import (
-    EXACT_MEAN, AggregationRule, aggregate, clip_to_median_norm, coordinate_median, counted_claims, fair_weights,
-    largest_minority, trim_count, weighted_mean,
+    EXACT_MEAN, AggregationRule, aggregate, clip_to_median_norm, coordinate_median, counted_claims,
+    facing_the_centre, fair_weights, largest_minority, trim_count, weighted_mean,
 )
 from p2p_diloco.train.update_check import tensors_norm, update_rejection
 
 ROBUST = [AggregationRule("centered-clip"), AggregationRule("trimmed-mean")]
-OLD_RULE = AggregationRule("centered-clip", claim_cap=1.0, norm_clip=2.0)  # before issue 44
+OLD_RULE = AggregationRule("centered-clip", claim_cap=1.0, norm_clip=2.0, drop_opposed=False)  # before issue 44
 NUMEL = 4096
 
 
@@ -170,6 +170,23 @@ def test_a_heavy_sender_pulls_the_centre_no_more_than_a_median_one():
     shared = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))  # honest_parts(…, seed 0)'s signal
     parts[2] = shared + torch.randn(NUMEL, generator=generator) / 2**0.5  # an island's Δ: half the noise variance
     assert relative_error(aggregate(parts, claims, ROBUST[0]), weighted_mean(parts, claims)) < 0.01
+
+
+@pytest.mark.parametrize("senders", [3, 5])
+def test_a_part_that_points_away_from_the_centre_counts_nothing(senders):
+    """−Δ with a claim of 2^48 from one sender (issue 44's samples+flip: +3.6-4.4 % held-out loss with 1 of 3 before)
+    leaves the honest senders' result about as if it had not sent (the flip pulled CenteredClip's centre back by up to
+    τ/n per iteration: kept 0.8 of the honest result's norm); without drop_opposed it still does. A majority that
+    points away from the median is not dropped (the rule then counts every part)."""
+    parts, claims = honest_parts(senders), [128.0] * senders
+    honest = aggregate(parts[:-1], claims[:-1], ROBUST[0])
+    parts[-1], claims[-1] = -100 * parts[-1], 2.0**48
+    assert relative_error(aggregate(parts, claims, ROBUST[0]), honest) < 0.01  # it starts from the median of all
+    kept = AggregationRule("centered-clip", drop_opposed=False)
+    assert relative_error(aggregate(parts, claims, kept), honest) > 0.1
+    centre = coordinate_median(parts)
+    assert facing_the_centre(parts, centre, claims)[-1] == 0.0
+    assert facing_the_centre([-p for p in parts[:2]] + parts[2:], centre, claims) == claims  # half or more: all
 
 
 def test_trim_counts_and_medians_are_members_and_signed_zeros_are_one_value():

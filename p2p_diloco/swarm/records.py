@@ -196,6 +196,7 @@ class AssistanceRequest(StrictModel):
     # ever reduced for a run nobody can dial)
     claim_cap: FiniteFloat
     norm_clip: FiniteFloat
+    drop_opposed: pydantic.StrictBool
     # indices into `shapes` of each Streaming DiLoCo fragment (p2p_diloco.train.fragments); None: one of all
     fragments: Optional[pydantic.conlist(pydantic.conlist(pydantic.conint(strict=True, ge=0, lt=MAX_TENSORS),
                                                            min_items=1, max_items=MAX_TENSORS),

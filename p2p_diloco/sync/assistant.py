@@ -162,7 +162,7 @@ def assistance_request(cfg, fingerprint: str, shapes: Sequence[Sequence[int]], f
                 allreduce_timeout=swarm.allreduce_timeout, next_chunk_timeout=swarm.next_chunk_timeout,
                 codec=outer.codec, fragments=fragments, aggregation=outer.aggregation, clip_factor=outer.clip_factor,
                 clip_iterations=outer.clip_iterations, trim_fraction=outer.trim_fraction, claim_cap=outer.claim_cap,
-                norm_clip=outer.norm_clip)
+                norm_clip=outer.norm_clip, drop_opposed=outer.drop_opposed)
 
 
 def read_assistance_requests(dht: DHT) -> dict[tuple[str, str], AssistanceRequest]:
