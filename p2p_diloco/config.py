@@ -366,6 +366,16 @@ def _check_fragments(cfg: Config) -> None:
                           f"{outer.fragments} (one fragment syncs every steps_per_outer / fragments inner steps)")
 
 
+def _check_sparse_codec(outer: OuterConfig) -> None:
+    """A codec that sends one value in `stride` (p2p_diloco.sync.codecs.SharedMaskCodec) needs error feedback: without
+    it the values a round does not send are dropped from the run for good."""
+    sparse = re.fullmatch(r"mask(\d+)-.+", outer.codec)  # the mask codecs are named by their stride
+    stride = int(sparse.group(1)) if sparse else 0
+    if stride and not outer.error_feedback:
+        raise ConfigError(f"config: outer.codec = {outer.codec!r} sends 1 value in {stride} of each pseudo-gradient and "
+                          f"needs outer.error_feedback = true, or the other {stride - 1} are dropped every round")
+
+
 def _check_pretrained(cfg: Config) -> None:
     """What a pretrained model decides (its architecture, its tokenizer) is not also set otherwise; its sizes
     are checked against its own config once it is read (p2p_diloco.train.pretrained)."""
@@ -421,6 +431,7 @@ def _check_consistency(cfg: Config) -> None:
             f"{cfg.inner.total_steps}: the lr schedule would end inside the first outer step"
         )
     _check_fragments(cfg)
+    _check_sparse_codec(cfg.outer)
     micro = cfg.compute.micro_batch_size
     if micro and cfg.inner.batch_size % micro != 0:
         raise ConfigError(f"config: inner.batch_size = {cfg.inner.batch_size} must be a multiple of "
