@@ -60,13 +60,13 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def parse_variant(parser: argparse.ArgumentParser, text: str) -> dict:
+def parse_variant(parser: argparse.ArgumentParser, text: str, option: str = "--variants") -> dict:
     """'codec=fp4-e3m0 fragments=2' -> {"codec": "fp4-e3m0", "fragments": 2}: TOML values, or bare words."""
     values = {}
     for item in text.split():
         key, sep, value = item.partition("=")
         if not sep:
-            parser.error(f"--variants: {item!r} is not key=value")
+            parser.error(f"{option}: {item!r} is not key=value")
         try:
             values[key] = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:

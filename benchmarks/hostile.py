@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from codec_quality import parse_variant
 from utilization import CLI, DEMO_CONFIG, ENV, REPO, Processes, read_address, write_toml
 
 from p2p_diloco.demo import evaluate  # noqa: E402 (utilization puts the repository on the path)
@@ -120,13 +121,15 @@ def matrix(attacks: list[str], counts: list[int], defences: list[str]) -> list[C
 
 
 # ----- one cell -----------------------------------------------------------------------------------
-def run_config(cell: Cell, inner_steps: int, cell_dir: Path) -> Path:
-    """peers/demo.toml on tinyshakespeare with H = `inner_steps`, the cell's defence, a run name of its own."""
+def run_config(cell: Cell, inner_steps: int, cell_dir: Path, outer: Optional[dict] = None) -> Path:
+    """peers/demo.toml on tinyshakespeare with H = `inner_steps`, the cell's defence, then the `outer` settings
+    (``--outer``), a run name of its own."""
     raw = tomllib.loads(DEMO_CONFIG.read_text())
     raw["run"]["name"] = f"hostile-{cell.folder}"
     raw["data"] = {**raw["data"], "source": "files", "paths": [str(TEXT)]}
     raw["inner"]["steps_per_outer"] = inner_steps
     raw["outer"].update(DEFENCES[cell.defence])
+    raw["outer"].update(outer or {})
     raw["swarm"].pop("initial_peers", None)  # the cell's own bootstrap node
     return write_toml(raw, cell_dir / "run.toml")
 
@@ -156,7 +159,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, out: Path) -> dict:
     for stale in [*cell_dir.glob("*.jsonl"), *cell_dir.glob("*/checkpoint.pt"), *cell_dir.glob("colluders/*/*"),
                   *cell_dir.glob("eval.json")]:
         stale.unlink()  # a peer would resume from an earlier run's checkpoint
-    config = run_config(cell, args.inner_steps, cell_dir)
+    config = run_config(cell, args.inner_steps, cell_dir, args.outer)
     honest = [f"honest{i}" for i in range(args.peers - cell.hostile)]
     hostile = [f"hostile{i}" for i in range(cell.hostile)]
     processes = Processes()
@@ -317,9 +320,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per cell before giving up")
     parser.add_argument("--jobs", type=int, default=1, help="cells run at a time")
     parser.add_argument("--out", type=Path, default=Path("bench-out/hostile"), help="output directory")
+    parser.add_argument("--outer", default="",
+                        help="[outer] settings for every cell, after its defence's, e.g. 'fixed_sync_delay=true': "
+                             "a fixed overlap makes every cell's inner steps the same from run to run")
     parser.add_argument("--report", action="store_true",
                         help="run nothing: measure again the chosen cells that --out holds, and print their table")
     args = parser.parse_args(argv)
+    args.outer = parse_variant(parser, args.outer, "--outer")
     try:
         if args.cells:
             args.cells = [parse_cell(text) for text in args.cells.split(",") if text.strip()]
@@ -355,7 +362,7 @@ def run_cells(args: argparse.Namespace) -> list[dict]:
     from p2p_diloco.config import load_config
     from p2p_diloco.train.data import TextData
 
-    TextData(load_config(run_config(args.cells[0], args.inner_steps, args.out)).data)  # the tokenizer, cached once
+    TextData(load_config(run_config(args.cells[0], args.inner_steps, args.out, args.outer)).data)  # the tokenizer, cached once
     rows: list[dict] = []
 
     def one(cell: Cell) -> dict:
