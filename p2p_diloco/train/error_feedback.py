@@ -1,7 +1,7 @@
 """Error feedback: each peer carries what the group did not count of its last send into its next.
 
 With a lossy codec the group counts, of a peer's Δ + e, only what survives the codec: call it S. The
-peer keeps the rest, e ← (Δ + e) − S, and adds it to its next pseudo-gradient (error-feedback SGD:
+peer keeps the rest, e ← (Δ + e) − S, and its next pseudo-gradient holds it (error-feedback SGD:
 Seide et al., "1-bit stochastic gradient descent", Interspeech 2014; Karimireddy et al., "Error
 feedback fixes SignSGD", ICML 2019, Alg. 2; SparseLoCo, arXiv 2508.15706, keeps it per DiLoCo worker
 the same way). Summed over the rounds the group agreed on, what was counted plus the residual still
