@@ -114,11 +114,8 @@ class GlobalModel:
                pseudo_gradient: Sequence[torch.Tensor]) -> None:
         """θ_local ← θ_global − Δ at `indices`: the pseudo-gradient Δ (:meth:`pseudo_gradient`, taken against
         the state this peer held before) moved onto this θ_global, a state it loaded
-        (:func:`p2p_diloco.protocol.plans.keeps_work`)."""
-        self._transfer(local_params, indices).scatter(
-            [self.params[i] - delta for i, delta in zip(indices, pseudo_gradient)],
-            [local_params[i] for i in indices], 0.0
-        )
+        (:func:`p2p_diloco.protocol.plans.keeps_work`): the merge with α = 0 and Δ as the residual."""
+        self.merge_into(local_params, indices, 0.0, owed=pseudo_gradient)
 
     @staticmethod
     def _transfer_key(local_params: Sequence[torch.Tensor], indices: Sequence[int]) -> tuple:
