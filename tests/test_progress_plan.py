@@ -135,6 +135,28 @@ def test_an_assistant_joins_each_publication_of_ready_records_once():
     assert rounds.next_round([rec_at(p, 5, UNREACHABLE) for p in "ab"]) == 5
 
 
+def test_an_assistant_joins_no_round_for_one_newcomer_beside_the_records_of_the_round_it_reduced():
+    """The NAT test's keeper run in CI: a and b's round toward step 5 was reduced, and their records still said
+    "ready" at 4 when a joiner c published "ready" there on its way to load step 5; the assistant joined a round
+    at 4 that never formed, while a, b and c waited 35 s for a reducer at 5."""
+    rounds = RoundsToAssist()
+    reduced = [rec_at(p, 4, UNREACHABLE) for p in "ab"]
+    assert rounds.next_round(reduced) == 4
+    assert rounds.next_round([*reduced, rec_at("c", 4, UNREACHABLE)]) is None  # c has nobody new to average with
+    assert rounds.next_round([*reduced, rec_at("c", 4, UNREACHABLE), rec_at("d", 4, UNREACHABLE)]) == 4  # c and d do
+
+
+def test_an_assistant_leaves_a_round_that_has_not_formed_for_a_later_step_that_needs_help():
+    rounds = RoundsToAssist()
+    at_4 = [rec_at(p, 4, UNREACHABLE) for p in "abc"]
+    assert rounds.next_round(at_4) == 4
+    assert rounds.overtaken(at_4, 4) is None  # its peers are still there
+    moved_on = [rec_at(p, 5, UNREACHABLE) for p in "ab"] + at_4[2:]
+    assert rounds.overtaken(moved_on, 4) == 5
+    assert rounds.overtaken([rec_at("a", 5, UNREACHABLE), *at_4[1:]], 4) is None  # one peer at 5 needs nobody
+    assert rounds.next_round(moved_on) == 5
+
+
 def test_a_waiting_peer_gives_up_only_on_reachable_peers_that_do_not_answer_twice():
     silent = SilentPeers(answering=lambda peers: {"alive"} & set(peers), check_period_s=0.0)  # checks on every call
     assert silent.check(["alive", "dead"]) == []  # one miss is not enough

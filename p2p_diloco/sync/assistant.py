@@ -28,12 +28,14 @@ import concurrent.futures
 import logging
 import secrets
 import threading
+import time
 from collections import defaultdict
 from math import prod
 from typing import Optional, Sequence
 
 import torch
 from hivemind import DHT
+from hivemind.averaging.control import AveragingStage
 
 from p2p_diloco.remote_input import warn_once
 from p2p_diloco.schedule import fragment_at
@@ -54,37 +56,51 @@ POLL_S = 0.5  # how often an assistant reads its run's progress
 REQUESTS_POLL_S = 5.0  # how often the pool reads the assistance requests
 
 
-def step_needing_help(records: Sequence[PeerProgress]) -> Optional[int]:
-    """The latest outer step at which at least two live peers are all ready to average, and all unreachable (a
-    keeper, which never averages, left out)."""
+Publication = tuple[str, int, float]  # (peer, step, time) of a progress record: one per round a peer is ready for
+
+
+def publication(record: PeerProgress) -> Publication:
+    return record.peer_id, record.outer_step, record.time
+
+
+def step_needing_help(records: Sequence[PeerProgress], spent: frozenset[Publication] = frozenset()) -> Optional[int]:
+    """The latest outer step at which every live peer is ready to average and unreachable (a keeper, which never
+    averages, left out), and at least two of them are ready for a round not joined yet: a record in `spent`
+    is one the assistant's last round was for, still "ready" until its peer publishes again."""
     by_step: dict[int, list[PeerProgress]] = defaultdict(list)
     for record in records:
         if averages(record):
             by_step[record.outer_step].append(record)
     steps = [step for step, peers in by_step.items()
-             if len(peers) >= 2 and all(r.phase == READY and r.reachability == UNREACHABLE for r in peers)]
+             if all(r.phase == READY and r.reachability == UNREACHABLE for r in peers)
+             and sum(publication(r) not in spent for r in peers) >= 2]
     return max(steps, default=None)
 
 
 class RoundsToAssist:
     """The rounds an assistant joins: each outer step that needs help, once per publication of the
-    peers' "ready" records. The records of a round just tried and failed still say "ready" until their
-    peers publish again (those of a round reduced say "committing"); joining another round for them would
-    find no group and hold the assistant for a whole matchmaking timeout. A peer publishes anew (with a new time) for each
-    round it is ready for, a retry included."""
+    peers' "ready" records. The records of a round just tried still say "ready" until their peers publish
+    again (those of a round reduced say "committing" once committed): joining another round for them
+    would find no group and hold the assistant for a whole matchmaking timeout. So would a round for
+    them and one peer that came to their step after it (a joiner on its way to load the next state: a
+    CI run of the NAT test, whose three peers then waited 35 s for a reducer at the next step). A peer
+    publishes anew (with a new time) for each round it is ready for, a retry included."""
 
     def __init__(self):
-        self._last: frozenset = frozenset()  # (peer, publication time) of the records of the last round
+        self._last: frozenset[Publication] = frozenset()  # the records of the last round joined, at its step
 
     def next_round(self, records: Sequence[PeerProgress]) -> Optional[int]:
-        step = step_needing_help(records)
-        if step is None:
-            return None
-        publications = frozenset((r.peer_id, r.time) for r in records if r.outer_step == step)
-        if publications == self._last:
-            return None
-        self._last = publications
+        """The step of the next round to join, if one needs help; remembers its records as joined."""
+        step = step_needing_help(records, self._last)
+        if step is not None:
+            self._last = frozenset(publication(r) for r in records if r.outer_step == step)
         return step
+
+    def overtaken(self, records: Sequence[PeerProgress], joined_step: int) -> Optional[int]:
+        """A later step than `joined_step` that needs help while the assistant still looks for that round's
+        group: its peers moved on (or others are ahead), and the round it waits for may never form."""
+        step = step_needing_help(records, self._last)
+        return step if step is not None and step > joined_step else None
 
 
 class Assistant:
@@ -115,34 +131,61 @@ class Assistant:
     def name(self) -> str:
         return f"run {self.request.run!r} (settings {self.request.fingerprint[:12]})"
 
+    def _read_records(self) -> Optional[list[PeerProgress]]:
+        try:
+            return read_progress(self.dht, progress_key(self.request.run), self.request.fingerprint)
+        except Exception as e:  # the DHT is shutting down, or a request failed: try again later
+            logger.debug("assistant for %s could not read the progress: %r", self.name, e)
+            return None
+
     def _assist_while_needed(self) -> None:
-        key = progress_key(self.request.run)
         while not self._stop.wait(POLL_S):
-            try:
-                records = read_progress(self.dht, key, self.request.fingerprint)
-            except Exception as e:  # the DHT is shutting down, or a request failed: try again later
-                logger.debug("assistant for %s could not read the progress: %r", self.name, e)
-                continue
-            step = self._rounds.next_round(records)
+            records = self._read_records()
+            step = None if records is None else self._rounds.next_round(records)
             if step is not None:
-                self.reduce_round(step, agreed_sha256({r.peer_id: r for r in records}, step), len(records))
+                self.reduce_round(step, agreed_sha256({r.peer_id: r for r in records}, step),
+                                  sum(averages(r) and r.outer_step == step for r in records))
 
     def reduce_round(self, outer_step: int, global_sha256: str, peers: int) -> None:
         """Join the round toward outer step `outer_step` + 1 of the `peers` peers that start from
-        `global_sha256`, and reduce for them; bounded by the round's timeouts, and never raises."""
+        `global_sha256`, and reduce for them; bounded by the round's timeouts, and never raises. While
+        its group forms, the records are read every :data:`POLL_S`: once a later step needs help
+        (:meth:`RoundsToAssist.overtaken`), the assistant leaves this round for it."""
         self.averager.set_group_bits(group_bits(outer_step))
         timeout = round_timeout(self.request)
         gather = dict(outer_step=outer_step, global_sha256=global_sha256, samples=0, token=secrets.token_hex(8),
                       role="assistant", fragment=fragment_at(outer_step, len(self.request.fragment_indices)))
         control = self.averager.step(gather=gather, timeout=timeout, allow_retries=False, wait=False)
+        deadline = time.monotonic() + timeout + self.request.allreduce_timeout
         try:
-            control.result(timeout=timeout + self.request.allreduce_timeout)
+            while True:
+                try:
+                    control.result(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+                    break
+                except concurrent.futures.TimeoutError:
+                    if time.monotonic() >= deadline or self._stop.is_set():
+                        control.cancel()
+                        logger.warning("%s: the round of outer step %d did not end in time", self.name,
+                                       outer_step + 1)
+                        return
+                    later = self._later_step_needing_help(control, outer_step)
+                    if later is not None:
+                        control.cancel()  # hivemind stops the matchmaking; no group holds this assistant yet
+                        logger.info("%s: left the round of outer step %d, whose group had not formed: the peers "
+                                    "need a reducer at outer step %d", self.name, outer_step + 1, later + 1)
+                        return
             logger.info("%s: reduced outer step %d for %d unreachable peer(s)", self.name, outer_step + 1, peers)
-        except concurrent.futures.TimeoutError:
-            control.cancel()
-            logger.warning("%s: the round of outer step %d did not end in time", self.name, outer_step + 1)
         except Exception as e:  # no group formed, a sender failed: the peers see it and try again
             logger.info("%s: no round at outer step %d (%s)", self.name, outer_step + 1, e)
+
+    def _later_step_needing_help(self, control, outer_step: int) -> Optional[int]:
+        """A later step that needs help, while this round still looks for its group (once the group formed,
+        the assistant reduces for it to the end: its members count on its parts)."""
+        if control.stage not in (AveragingStage.IDLE, AveragingStage.AWAITING_TRIGGER,
+                                 AveragingStage.LOOKING_FOR_GROUP):
+            return None
+        records = self._read_records()
+        return None if records is None else self._rounds.overtaken(records, outer_step)
 
     def close(self) -> None:
         self._stop.set()
