@@ -51,7 +51,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -302,7 +302,13 @@ def swarm_consistency(histories: Sequence[GlobalModelHistory], num_peers: int) -
     }
 
 
-def run_diloco(cfg: Config, data: TextData, num_peers: int, outer_steps: int) -> MethodResult:
+def run_diloco(cfg: Config, data: TextData, num_peers: int, outer_steps: int,
+               batch_sizes: Sequence[int] = (), prepare: Callable[[int, DiLoCoPeer], None] | None = None,
+               ) -> MethodResult:
+    """`num_peers` DiLoCoPeers in threads until θ_global reaches `outer_steps`. Peer i trains batches of
+    `batch_sizes[i]` sequences (default: the config's; a larger one stands for a faster peer or an island, as
+    it claims the samples it trained), and `prepare(i, peer)` runs on each peer before any starts (a benchmark
+    makes one hostile there)."""
     nodes = start_swarm(cfg.run.name, num_peers)
     settings = shared_settings(cfg, tokenizer_sha256(data.tokenizer))
     stop = threading.Event()
@@ -312,9 +318,12 @@ def run_diloco(cfg: Config, data: TextData, num_peers: int, outer_steps: int) ->
             model = build_model(cfg.model, data.vocab_size, cfg.run.seed)
             seed = order_seed(cfg.run.seed, f"bench-{index}")
             history = GlobalModelHistory(node.dht.peer_id.to_base58())
-            peer = DiLoCoPeer(cfg, model, data.for_peer(cfg.inner.batch_size, seed), node, settings, metrics=history,
+            batch_size = batch_sizes[index] if index < len(batch_sizes) else cfg.inner.batch_size
+            peer = DiLoCoPeer(cfg, model, data.for_peer(batch_size, seed), node, settings, metrics=history,
                               stop_event=stop)
             history.watch(peer.global_model)
+            if prepare is not None:
+                prepare(index, peer)
             peers.append(peer)
             histories.append(history)
         # hivemind's averager sets SIGINT to "ignore" when it starts: restore Ctrl+C for this script
@@ -341,6 +350,9 @@ def run_diloco(cfg: Config, data: TextData, num_peers: int, outer_steps: int) ->
             # τ run: the mean of the inner steps that ran beside each sync, before its merge (outer.sync_delay)
             "overlap_steps": statistics.mean([r.get("overlap_steps", 0) for h in histories
                                               for r in h.outer_step_records()] or [0]),
+            # what the groups counted: samples weighed into each mean (outer.claim_cap), the median over rounds
+            "group_samples": statistics.median([r["group_samples"] for h in histories
+                                                for r in h.outer_step_records()] or [0]),
             **swarm_consistency(histories, num_peers),
         },
     )

@@ -174,11 +174,10 @@ def claimed_samples(attacks: Sequence[Attack], samples: int) -> int:
     return samples
 
 
-def patch_sender(spec: str, attacks: Sequence[Attack], colluders: Optional[Colluders]) -> None:
-    """Wrap OuterSync.average: the group averages the altered Δ with the claimed weight."""
-    from p2p_diloco.sync.outer_sync import OuterSync, PendingDelta
-
-    honest_average = OuterSync.average
+def attacked_average(honest_average: Callable, spec: str, attacks: Sequence[Attack],
+                     colluders: Optional[Colluders]) -> Callable:
+    """OuterSync.average, altered: the group averages the altered Δ with the claimed weight."""
+    from p2p_diloco.sync.outer_sync import PendingDelta
 
     def average(self, pseudo_gradient, samples, outer_step, *args, **kwargs):
         if isinstance(pseudo_gradient, PendingDelta):  # a round matched ahead of its Δ: altered once it is here
@@ -195,7 +194,28 @@ def patch_sender(spec: str, attacks: Sequence[Attack], colluders: Optional[Collu
             result.sent = [t.detach().clone() for t in pseudo_gradient]
         return result
 
-    OuterSync.average = average
+    return average
+
+
+def patch_sender(spec: str, attacks: Sequence[Attack], colluders: Optional[Colluders]) -> None:
+    """Every OuterSync of this process sends as `attacked_average` says."""
+    from p2p_diloco.sync.outer_sync import OuterSync
+
+    OuterSync.average = attacked_average(OuterSync.average, spec, attacks, colluders)
+
+
+def make_hostile(sync, spec: str, colluders: Optional[Colluders] = None) -> None:
+    """One OuterSync (one peer of several in a process) sends as `attacked_average` says: sender attacks only."""
+    import types
+
+    from p2p_diloco.sync.outer_sync import OuterSync
+
+    attacks = parse_attacks(spec)
+    if any(a.kind not in SENDER_ATTACKS for a in attacks):
+        raise ValueError(f"{spec}: only sender attacks ({', '.join(SENDER_ATTACKS)}) alter one peer of a process")
+    if any(a.kind == "alie" for a in attacks) and colluders is None:
+        raise ValueError("alie needs its colluders")
+    sync.average = types.MethodType(attacked_average(OuterSync.average, spec, attacks, colluders), sync)
 
 
 # ----- reducer attacks: what this peer returns as a reducer ----------------------------------------
