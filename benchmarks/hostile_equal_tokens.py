@@ -16,8 +16,9 @@ faster or an island of that many ranks does; its "counted" column is the median 
 samples (``group_samples``) against the samples trained. Defences as in hostile.py: ``on`` (the shipped
 rule), ``old`` (the rule before issue 44), ``off`` (the exact weighted mean, no update check).
 
-The sync is the demo's (4-bit pseudo-gradients with error feedback, τ = 5, α = 0.5) with τ fixed
-(``--outer`` changes it), on the demo model's sizes (0.69M parameters) and peers/data/tinyshakespeare.txt.
+The run is the demo's (peers/demo.toml: its model of 0.69M parameters, its inner optimizer and learning-rate
+schedule, its sync of 4-bit pseudo-gradients with error feedback, τ = 5, α = 0.5) with τ fixed (``--outer``
+changes the sync), on peers/data/tinyshakespeare.txt.
 Each cell is compared with the clean cell of the same defence and seed; with several --seeds the table gives
 the mean and the standard deviation of those gaps, and the clean cells of ``old`` and ``off`` against ``on``'s
 say what the shipped defence costs an honest swarm. Prints a Markdown table; writes results.json to --out.
@@ -30,12 +31,14 @@ import json
 import statistics
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import torch
 
 from codec_quality import parse_variant
 from hostile import DEFENCES  # (its utilization module puts the repository on the path)
+from utilization import DEMO_CONFIG
 from quality import add_run_arguments, benchmark_config, checked_run_arguments, percent_gap, run_diloco
 
 from p2p_diloco.node_runner import setup_logging
@@ -88,7 +91,9 @@ def parse_args() -> argparse.Namespace:
 def run_cell(args, data: TextData, defence: str, attack: str, seed: int, collude_root: Path) -> dict:
     """One swarm: the held-out loss of its final θ_global and what its groups counted."""
     cfg = benchmark_config(args.text, seed, args.inner_steps, args.outer_steps * args.inner_steps)
-    cfg = cfg.replace(outer={**args.outer, **DEFENCES[defence]})
+    demo_inner = tomllib.loads(Path(DEMO_CONFIG).read_text())["inner"]
+    cfg = cfg.replace(inner={**demo_inner, "steps_per_outer": args.inner_steps},
+                      outer={**args.outer, **DEFENCES[defence]})
     batch = cfg.inner.batch_size
     batch_sizes = [args.fast_factor * batch] if attack == "fast" else []
     first_hostile = args.peers - (0 if attack in HONEST else args.hostile)
