@@ -55,7 +55,7 @@ def parse_args() -> argparse.Namespace:
                         help="comma-separated sender attacks of tests/hostile_peer.py, or 'fast' (no liar)")
     parser.add_argument("--hostile", type=int, default=1, help="how many of the peers attack (the last ones)")
     parser.add_argument("--defences", default="on", help=f"comma-separated, of {', '.join(DEFENCES)}")
-    parser.add_argument("--seeds", default="0", help="comma-separated run seeds; each cell runs once per seed")
+    parser.add_argument("--seeds", help="comma-separated run seeds, each cell once per seed (default: --seed)")
     parser.add_argument("--fast-factor", type=int, default=2, help="cell 'fast': its first peer's batch, × the others'")
     parser.add_argument("--outer", default=DEMO_SYNC, help="[outer] settings of every cell, KEY=VALUE ...")
     add_run_arguments(parser, out="bench-out/hostile-equal-tokens")
@@ -77,7 +77,7 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         parser.error(f"--defences: unknown {', '.join(unknown)}; known: {', '.join(DEFENCES)}")
     try:
-        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        args.seeds = [args.seed] if args.seeds is None else [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         parser.error(f"--seeds: {args.seeds!r} is not a comma-separated list of integers")
     if not 1 <= args.hostile < args.peers:
