@@ -163,7 +163,10 @@ class Assistant:
                     control.result(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
                     break
                 except concurrent.futures.TimeoutError:
-                    if time.monotonic() >= deadline or self._stop.is_set():
+                    if self._stop.is_set():
+                        control.cancel()
+                        return
+                    if time.monotonic() >= deadline:
                         control.cancel()
                         logger.warning("%s: the round of outer step %d did not end in time", self.name,
                                        outer_step + 1)
