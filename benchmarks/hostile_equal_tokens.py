@@ -7,7 +7,9 @@ benchmarks/hostile.py runs real processes, and a round there ends when its faste
 inner steps vary with timing, and its held-out loss by about 1 % from run to run, as much as the effects it
 measures. Here every peer trains exactly H inner steps per outer step (benchmarks/quality.py's DiLoCo run:
 DiLoCoPeers in threads of one process, real DHTs on 127.0.0.1, the real all-reduce and robust rule), so a
-cell repeats, and the difference between two cells of a seed is the attack's or the defence's.
+cell repeats, and the difference between two cells of a seed is the attack's or the defence's. (A real round
+ends when its fastest peer is ready, and the others stop after their lead: here every peer's
+``RoundSync.round_is_closing`` says no, so each trains all H steps and the faster ones wait for it.)
 
 The last --hostile peers send as tests/hostile_peer.py's sender attacks (``make_hostile``: ``scale:K``,
 ``flip``, ``noise:K``, ``samples``, ``samples:K``, ``samples+flip``, ``alie``). Cell ``fast`` has no liar: its
@@ -47,6 +49,7 @@ from tests.hostile_peer import SENDER_ATTACKS, Colluders, make_hostile, parse_at
 
 DEMO_SYNC = "codec=fp4-e3m0 error_feedback=true sync_delay=5 merge_alpha=0.5 fixed_sync_delay=true"
 HONEST = ("clean", "fast")
+ROUND_WAIT_S = 300.0  # how long ready peers wait for one still training: all of its H steps, on loaded cores
 
 
 def parse_args() -> argparse.Namespace:
@@ -93,7 +96,8 @@ def run_cell(args, data: TextData, defence: str, attack: str, seed: int, collude
     cfg = benchmark_config(args.text, seed, args.inner_steps, args.outer_steps * args.inner_steps)
     demo_inner = tomllib.loads(Path(DEMO_CONFIG).read_text())["inner"]
     cfg = cfg.replace(inner={**demo_inner, "steps_per_outer": args.inner_steps},
-                      outer={**args.outer, **DEFENCES[defence]})
+                      outer={**args.outer, **DEFENCES[defence]},
+                      swarm={"round_wait_timeout": ROUND_WAIT_S})
     batch = cfg.inner.batch_size
     batch_sizes = [args.fast_factor * batch] if attack == "fast" else []
     first_hostile = args.peers - (0 if attack in HONEST else args.hostile)
@@ -102,6 +106,7 @@ def run_cell(args, data: TextData, defence: str, attack: str, seed: int, collude
         colluders = Colluders(collude_root / f"{defence}-{attack}-{seed}", args.hostile, args.peers)
 
     def prepare(index: int, peer) -> None:
+        peer.round_sync.round_is_closing = lambda step: False  # every peer trains all H steps of a round
         if index >= first_hostile:
             make_hostile(peer.sync, attack, colluders)
 
