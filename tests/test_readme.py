@@ -104,11 +104,19 @@ def test_a_shown_command_parses_and_names_files_that_exist(shown, a_users_direct
             assert (REPO / word).exists(), f"{shown.where}: {word} is not in the repository"
 
 
+def with_shared_options(script: Path) -> str:
+    """The script's source and that of the benchmarks it imports from (quality.py's shared run options)."""
+    source = script.read_text()
+    imported = re.findall(r"^from (\w+) import", source, flags=re.MULTILINE)
+    return "\n".join([source] + [(script.parent / f"{name}.py").read_text() for name in imported
+                                  if (script.parent / f"{name}.py").is_file()])
+
+
 @pytest.mark.parametrize("shown", BENCHMARK_COMMANDS, ids=lambda shown: shown.where)
 def test_a_shown_benchmark_exists_with_its_flags(shown):
     script = REPO / shown.words[1]
     assert script.is_file(), f"{shown.where}: no {shown.words[1]}"
-    source = script.read_text()
+    source = with_shared_options(script)
     for word in shown.words[2:]:
         flag = word.split("=")[0]
         if flag.startswith("--") and flag != "--help":
