@@ -156,9 +156,9 @@ def test_leaving_the_with_block_mid_sync_exits_cleanly(processes, tmp_path):
             optimizer.step()
             optimizer.zero_grad()
             diloco.step(samples=len(x))
-            if diloco.peer.view.phase == SYNCING:
+            if diloco.peer.view.status.phase == SYNCING:
                 break
-        assert diloco.peer.view.phase == SYNCING, diloco.peer.view.phase
+        assert diloco.peer.view.status.phase == SYNCING, diloco.peer.view.status.phase
         assert diloco.outer_step == 0  # the round is not over: its outer step comes after an overlap step
     assert diloco.node is None and diloco._driver is None
     assert not (own_processes() & started), "processes of the peer outlived its with block"

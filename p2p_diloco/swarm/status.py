@@ -166,6 +166,11 @@ class StatusPublisher:
             value["samples_per_s"] = 0.0
         return value
 
+    @property
+    def phase(self) -> str:
+        """The phase of the record as this peer last set it (training, syncing, loading, ...)."""
+        return self._fields["phase"]
+
     def update(self, **fields: Any) -> None:
         """Inner steps, throughput and loss (numbers: not checked again), for the next refresh."""
         value = self._value(**fields)

@@ -28,7 +28,6 @@ class PeerView:
         self.rounds = 0  # of those, the ones averaged with others
         self.counted_samples: int | None = None  # of `samples`, what its groups' rule counted, once reported
         self._traffic_seen = 0  # the all-reduce bytes counted in an earlier outer step
-        self.phase: str | None = None  # the phase last published (peer_status: training, syncing, loading, ...)
 
     def joined(self, **fields: Any) -> None:
         """The first record (outer step, inner steps, data shard): stored before the progress record, so a
@@ -69,25 +68,20 @@ class PeerView:
         """The held-out loss of θ_global at `outer_step` (p2p_diloco.train.heldout), stored at once."""
         self.status.publish(eval_step=outer_step, eval_loss=loss)
 
-    def _publish_phase(self, phase: str, **fields: Any) -> None:
-        self.phase = phase
-        self.status.publish(phase=phase, **fields)
-
     def syncing(self) -> None:
-        """The round's pseudo-gradient went to the sync."""
-        self._publish_phase(peer_status.SYNCING)
+        self.status.publish(phase=peer_status.SYNCING)
         if self.display is not None:
             self.display.syncing()
 
     def training(self, **fields: Any) -> None:
         """Training toward the next outer step; a keeper keeping the run's state."""
-        self._publish_phase(self.idle_phase, **fields)
+        self.status.publish(phase=self.idle_phase, **fields)
 
     def loading(self) -> None:
-        self._publish_phase(peer_status.LOADING)
+        self.status.publish(phase=peer_status.LOADING)
 
     def left(self) -> None:
-        self._publish_phase(peer_status.LEFT)
+        self.status.publish(phase=peer_status.LEFT)
 
     def close(self) -> None:
         if self.display is not None:
