@@ -157,29 +157,29 @@ class Assistant:
                       role="assistant", fragment=fragment_at(outer_step, len(self.request.fragment_indices)))
         control = self.averager.step(gather=gather, timeout=timeout, allow_retries=False, wait=False)
         deadline = time.monotonic() + timeout + self.request.allreduce_timeout
-        try:
-            while True:
-                try:
-                    control.result(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
-                    break
-                except concurrent.futures.TimeoutError:
-                    if self._stop.is_set():
-                        control.cancel()
-                        return
-                    if time.monotonic() >= deadline:
-                        control.cancel()
-                        logger.warning("%s: the round of outer step %d did not end in time", self.name,
-                                       outer_step + 1)
-                        return
-                    later = self._later_step_needing_help(control, outer_step)
-                    if later is not None:
-                        control.cancel()  # hivemind stops the matchmaking; no group holds this assistant yet
-                        logger.info("%s: left the round of outer step %d, whose group had not formed: the peers "
-                                    "need a reducer at outer step %d", self.name, outer_step + 1, later + 1)
-                        return
-            logger.info("%s: reduced outer step %d for %d unreachable peer(s)", self.name, outer_step + 1, peers)
-        except Exception as e:  # no group formed, a sender failed: the peers see it and try again
-            logger.info("%s: no round at outer step %d (%s)", self.name, outer_step + 1, e)
+        while True:
+            try:
+                control.result(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+                break
+            except concurrent.futures.TimeoutError:
+                pass
+            except Exception as e:  # no group formed, a sender failed: the peers see it and try again
+                logger.info("%s: no round at outer step %d (%s)", self.name, outer_step + 1, e)
+                return
+            if self._stop.is_set():
+                control.cancel()
+                return
+            if time.monotonic() >= deadline:
+                control.cancel()
+                logger.warning("%s: the round of outer step %d did not end in time", self.name, outer_step + 1)
+                return
+            later = self._later_step_needing_help(control, outer_step)
+            if later is not None:
+                control.cancel()  # hivemind stops the matchmaking; no group holds this assistant yet
+                logger.info("%s: left the round of outer step %d, whose group had not formed: the peers need a "
+                            "reducer at outer step %d", self.name, outer_step + 1, later + 1)
+                return
+        logger.info("%s: reduced outer step %d for %d unreachable peer(s)", self.name, outer_step + 1, peers)
 
     def _later_step_needing_help(self, control, outer_step: int) -> Optional[int]:
         """A later step that needs help, while this round still looks for its group (once the group formed,
