@@ -204,15 +204,23 @@ def patch_sender(spec: str, attacks: Sequence[Attack], colluders: Optional[Collu
     OuterSync.average = attacked_average(OuterSync.average, spec, attacks, colluders)
 
 
+def sender_attacks(spec: str) -> list[Attack]:
+    """The attacks of `spec` if each alters what a peer sends (only those alter one peer of several in a
+    process); raises ValueError otherwise."""
+    attacks = parse_attacks(spec)
+    if any(a.kind not in SENDER_ATTACKS for a in attacks):
+        raise ValueError(f"{spec}: only sender attacks ({', '.join(SENDER_ATTACKS)}) alter one peer of a process; "
+                         f"a reducer attack needs a process of its own (benchmarks/hostile.py)")
+    return attacks
+
+
 def make_hostile(sync, spec: str, colluders: Optional[Colluders] = None) -> None:
     """One OuterSync (one peer of several in a process) sends as `attacked_average` says: sender attacks only."""
     import types
 
     from p2p_diloco.sync.outer_sync import OuterSync
 
-    attacks = parse_attacks(spec)
-    if any(a.kind not in SENDER_ATTACKS for a in attacks):
-        raise ValueError(f"{spec}: only sender attacks ({', '.join(SENDER_ATTACKS)}) alter one peer of a process")
+    attacks = sender_attacks(spec)
     if any(a.kind == "alie" for a in attacks) and colluders is None:
         raise ValueError("alie needs its colluders")
     sync.average = types.MethodType(attacked_average(OuterSync.average, spec, attacks, colluders), sync)
