@@ -96,6 +96,8 @@ def main() -> None:
                          codec_bytes_per_param=bytes_per_parameter(run_cfg.outer.codec),
                          peak_bytes_per_param_per_sync=result.bytes_per_peer / num_params / syncs,
                          train_seconds=result.train_seconds,
+                         # θ_global's held-out loss after each outer step: how a sync ages the agreed model
+                         eval_losses=result.curve.eval_losses,
                          overlap_steps=result.details["overlap_steps"],
                          one_global_state=result.details["identical_global_model_every_step"],
                          full_group_rounds=f"{result.details['rounds_with_full_group']}/"

@@ -238,6 +238,7 @@ def average_round(syncs: list[OuterSync], feedback: list, owed: list, indices: l
         "errors": errors,
         "to_send": to_send,
         "counted": [r.sent if r is not None else None for r in results],
+        "carried": [r.carried if r is not None else None for r in results],
         "phases": [r.phases if r is not None else None for r in results],
     }
 
@@ -270,7 +271,7 @@ def planned(syncs: list[OuterSync], leaders: Optional[list], members: Optional[l
 
 def summary(result: dict) -> dict:
     """`result` less its tensors, for the JSON line."""
-    tensors = ("means", "to_send", "counted")
+    tensors = ("means", "to_send", "counted", "carried")
     return {**{k: v for k, v in result.items() if k not in ("rounds", "residuals", "owed")},
             "rounds": [{k: v for k, v in r.items() if k not in tensors} for r in result["rounds"]]}
 

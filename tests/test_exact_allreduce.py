@@ -134,6 +134,17 @@ def test_weighted_mean_is_bit_identical_on_all_peers(codec, every_codec_case):
             bound = 2 * coded_inputs + largest_bound(codec, want)  # the mean moved by ≤ coded_inputs
             error = (got.double() - want).abs().max().item()
             assert error <= bound + 1e-8, (codec, j, error, bound)
+    # which values the round's codec sent: every value for a dense codec; for a mask codec the same mask on every
+    # peer, one value in `stride`, and the mean holds nothing elsewhere (what the outer step must not step on)
+    stride = getattr(CODECS[codec], "stride", 1)
+    if stride == 1:
+        assert result["carried"] == [None] * peers
+    else:
+        assert len({tensors_sha256([c.to(torch.uint8) for c in carried]) for carried in result["carried"]}) == 1
+        carried = result["carried"][0]
+        assert sum(int(c.sum()) for c in carried) == pytest.approx(sum(s.numel() for s in SHAPES) / stride, rel=0.01)
+        for mean in result["means"]:
+            assert all(not bool(m[~c].any()) for m, c in zip(mean, carried))
     assert all(sent > 0 for sent in result["sent"]) and all(received > 0 for received in result["received"])
     # the parts really travelled in the codec: each peer sent (n-1)/n of its Δ and (n-1)/n of the mean
     numel = sum(shape.numel() for shape in SHAPES)

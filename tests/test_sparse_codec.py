@@ -3,7 +3,8 @@ by every peer of a round, so that the all-reduce and its robust rules still appl
 
 tests/test_codecs.py holds what every codec must do (round trips within the bound, malformed bytes, sizes);
 here: the mask, the bound on the values sent, error feedback over rounds of different masks, the bytes of a
-reducer's mean under two CPU kernels, and robust aggregation over the decoded parts."""
+reducer's mean under two CPU kernels, robust aggregation over the decoded parts, and the outer step that moves
+only the values a round sent."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from p2p_diloco.sync.codecs import CODECS, E3M0Codec, SharedMaskCodec, get_codec
 from p2p_diloco.sync.robust import AggregationRule, aggregate
 from p2p_diloco.train.error_feedback import ErrorFeedback
 from p2p_diloco.train.init_weights import SeededDraws
-from tests.conftest import REPO
+from p2p_diloco.train.outer import GlobalModel
+from tests.conftest import REPO, tiny_config
 
 MASK_CODECS = ["mask8-e3m0", "mask16-e3m0"]
 NUMEL = 12345  # odd, and not a multiple of a stride: the last group is shorter
@@ -73,6 +75,44 @@ def test_sent_values_are_within_e3m0s_bound_of_the_selected_values_and_the_rest_
     bound = codec.error_bound(part)
     assert torch.equal(bound[~sent], part[~sent].abs()) and torch.equal(bound[sent], e3m0.error_bound(selected))
     assert len(codec.encode(part)) == e3m0.encoded_size(-(-NUMEL // codec.stride))
+
+
+@pytest.mark.parametrize("codec_name", MASK_CODECS)
+def test_carried_names_the_values_the_round_sends(codec_name):
+    codec = get_codec(codec_name)
+    assert not codec.sends_every_value
+    for round_id in (b"a", b"b"):
+        round_codec = codec.for_round(round_id)
+        for numel in (1, codec.stride - 1, NUMEL):
+            carried = round_codec.carried(numel)
+            assert carried.dtype == torch.bool and torch.equal(carried, _selected(round_codec, numel))
+    assert all(CODECS[name].sends_every_value and CODECS[name].carried(NUMEL) is None
+               for name in CODECS if name not in MASK_CODECS)
+
+
+def test_the_outer_step_moves_only_the_values_the_round_carried():
+    """The lazy outer step: a value the round's mask did not send keeps its value and its momentum, bit for bit;
+    a value it sent steps exactly as in a dense round (:meth:`GlobalModel.apply`)."""
+    cfg = tiny_config().outer
+    start = [_normal(NUMEL, 20), _normal(300, 21)]
+    dense, lazy = GlobalModel(start, cfg), GlobalModel(start, cfg)
+    first = [_normal(NUMEL, 22), _normal(300, 23)]
+    for model in (dense, lazy):  # a dense round first: a momentum that is not zero
+        model.apply(first, [0, 1])
+    codec = get_codec("mask8-e3m0").for_round(b"round 2")
+    carried = [codec.carried(NUMEL), codec.carried(300)]
+    mean = [torch.where(c, g, torch.zeros(())) for c, g in zip(carried, [_normal(NUMEL, 24), _normal(300, 25)])]
+    before = [[p.clone() for p in lazy.params], [b.clone() for b in lazy.momentum_buffer]]
+    dense.apply(mean, [0, 1])
+    lazy.apply(mean, [0, 1], carried)
+    for i, c in enumerate(carried):
+        assert torch.equal(lazy.params[i][~c], before[0][i][~c])
+        assert torch.equal(lazy.momentum_buffer[i][~c], before[1][i][~c])
+        assert torch.equal(lazy.params[i][c], dense.params[i][c])
+        assert torch.equal(lazy.momentum_buffer[i][c], dense.momentum_buffer[i][c])
+        # stepped with a mean of 0 there, the momentum would have gone on moving the values not sent
+        assert not torch.equal(dense.params[i][~c], before[0][i][~c])
+    assert lazy.outer_step == dense.outer_step == 2 and lazy.sha256() != dense.sha256()
 
 
 @pytest.mark.parametrize("codec_name", MASK_CODECS)

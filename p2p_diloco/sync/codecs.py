@@ -68,7 +68,7 @@ import hashlib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Optional
 
 import numpy as np
 import torch
@@ -127,6 +127,8 @@ class Codec(ABC):
     # comparisons): the same bytes on every CPU, except where a value or a block scale is a subnormal and
     # the CPU flushes subnormals. A reducer audit (p2p_diloco.sync.audit) then compares bytes, not bounds
     reproducible_encode: bool = False
+    # whether every value of a part is sent (:meth:`carried` is None); False for a codec that sends a subset
+    sends_every_value: ClassVar[bool] = True
 
     def encode(self, part: torch.Tensor) -> bytes:
         """The bytes of `part`: exactly ``encoded_size(part.numel())`` of them, coded on `part`'s device."""
@@ -163,6 +165,13 @@ class Codec(ABC):
         before any part moves, hivemind's group ID). Itself, for every codec whose format is fixed; a codec that
         sends a subset of the values (:class:`SharedMaskCodec`) draws the round's subset from it."""
         return self
+
+    def carried(self, numel: int) -> Optional[torch.Tensor]:
+        """Which values of a part of `numel` values this codec sends (bool, on the CPU); None: every value, as
+        every dense codec does. A value not sent carries no information to the group's mean this round: it
+        decodes to 0 there whatever it was, which the outer step must not read as "the group's mean is 0"
+        (:meth:`p2p_diloco.train.outer.GlobalModel.apply`)."""
+        return None
 
     @abstractmethod
     def encoded_size(self, numel: int) -> int:
@@ -813,6 +822,7 @@ class SharedMaskCodec(Codec):
     # the mask repeats every `period` values (a power of two, a multiple of blocksize): the spot check's chunks
     # of 16,384 values start on its grid, so each is a slice of the part's bytes (spot_check.sliceable)
     period: int = 16384
+    sends_every_value: ClassVar[bool] = False
 
     def __post_init__(self):
         if isinstance(self.values, SharedMaskCodec) or self.stride < 2 or self.stride & (self.stride - 1):
@@ -838,6 +848,9 @@ class SharedMaskCodec(Codec):
             index = self._index(part.numel(), part.device)
             bound[index] = self.values.error_bound(torch.index_select(part, 0, index))
         return bound
+
+    def carried(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=torch.bool).index_fill_(0, self._index(numel, torch.device("cpu")), True)
 
     def _index(self, numel: int, device: torch.device) -> torch.Tensor:
         return _mask_indices(self.seed, numel, self.stride, self.period).to(device)

@@ -295,13 +295,16 @@ class ExactAllReduceRunner(AllReduceRunner):
     the reducer aggregates the senders' parts (:mod:`p2p_diloco.sync.robust`). If `sent`
     is given (tensors shaped like `tensors`), the runner writes into it what the group counts of each
     value of this peer's input: the decoded bytes of each part's encoding, whether it is sent to another
-    reducer or reduced here; once the round has completed, every value is written. :attr:`ledger`, when
+    reducer or reduced here; once the round has completed, every value is written. `carried` (bool tensors
+    shaped like `tensors`, for a codec that sends a subset of the values) is written the same way, part by
+    part: True where the round's codec sent the value (:meth:`Codec.carried`). :attr:`ledger`, when
     the averager sets it before any part moves, records what travels (:mod:`p2p_diloco.sync.audit`).
     """
 
     def __init__(self, *, traffic: "TrafficCounters", sender_weights: dict[PeerID, float], screen: GroupScreen,
                  codec: Codec, rule: AggregationRule = EXACT_MEAN, sent: Optional[Sequence[torch.Tensor]] = None,
-                 relay_group: int = 0, fault_pause_s: float = 0.0, fault_send_pause_s: float = 0.0, **kwargs):
+                 carried: Optional[Sequence[torch.Tensor]] = None, relay_group: int = 0, fault_pause_s: float = 0.0,
+                 fault_send_pause_s: float = 0.0, **kwargs):
         kwargs.pop("compression", None)  # hivemind's averager passes its own; the run's codec replaces it
         reducers = sum(fraction > 0 for fraction in kwargs["peer_fractions"])
         part_size_bytes = balanced_part_size_bytes(codec, sum(t.numel() for t in kwargs["tensors"]), reducers,
@@ -312,6 +315,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_reducer = SenderOrderReducer(replaced.part_shapes, replaced.num_senders, rule, codec)
         self.codec = codec
         self.sent = sent
+        self.carried = carried
         self._averaged_bytes: dict[int, bytes] = {}  # part index -> the averaged part this reducer sends
         self.ledger: Optional[RoundLedger] = None  # what travelled, for the round report and the audit
         self.fault_send_pause_s = fault_send_pause_s
@@ -348,20 +352,25 @@ class ExactAllReduceRunner(AllReduceRunner):
             self._averaged_bytes.setdefault(part_index, encoded)
         return self._averaged_bytes[part_index]
 
-    def _record_sent(self, info: CompressionInfo, counted: torch.Tensor) -> None:
-        """Write what the group counts of the part `info` of this peer's input into ``self.sent``."""
+    def _record_sent(self, info: CompressionInfo, counted: Optional[torch.Tensor], numel: int) -> None:
+        """Write what the group counts of the part `info` of this peer's input (`numel` values) into ``self.sent``
+        (`counted`, when recorded) and which of its values the codec sent into ``self.carried``."""
         start = info.part_index * info.part_size  # hivemind cuts every tensor into parts of part_size values
-        self.sent[info.key].view(-1)[start:start + counted.numel()].copy_(counted.reshape(-1))
+        if self.sent is not None:
+            self.sent[info.key].view(-1)[start:start + numel].copy_(counted.reshape(-1))
+        if self.carried is not None:
+            self.carried[info.key].view(-1)[start:start + numel].copy_(self.codec.carried(numel))
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         first = True
         loop = asyncio.get_event_loop()
         parts = list(self.tensor_part_container._input_parts_by_peer[peer_index])  # (part, info), in order
         async for part_index, message in aenumerate(super()._generate_input_for_peer(peer_index)):
+            part, info = parts[part_index]
+            counted = None
             if self.sent is not None:  # the reducer counts these very bytes, decoded
-                part, info = parts[part_index]
                 counted = await loop.run_in_executor(None, self.codec.decode, message.tensor_part.buffer, part.numel())
-                self._record_sent(info, counted)  # in the event loop: never after the round is torn down
+            self._record_sent(info, counted, part.numel())  # in the event loop: never after the round is torn down
             if self.ledger is not None:
                 self.ledger.sent_input(self.ordered_peer_ids[peer_index], message.tensor_part.buffer,
                                        parts[part_index][0].numel(), self.codec)
@@ -394,8 +403,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             own = await loop.run_in_executor(None, self.codec.encode, tensor_part.reshape(-1).contiguous())
             counted = (await loop.run_in_executor(None, self.codec.decode, own, tensor_part.numel())
                        ).reshape(tensor_part.shape)
-            if self.sent is not None:
-                self._record_sent(self.tensor_part_container._input_parts_by_peer[peer_index][part_index][1], counted)
+            self._record_sent(self.tensor_part_container._input_parts_by_peer[peer_index][part_index][1], counted,
+                              tensor_part.numel())
             if self.ledger is not None:
                 self.ledger.sent_input(peer_id, own, tensor_part.numel(), self.codec)
                 self.ledger.received_input(peer_id, part_index, own)
@@ -575,7 +584,9 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
     With `record_sent`, :attr:`sent` holds one shared-memory tensor per averaged tensor (made before the
     averager process forks: one more float32 copy of the tensors, 4 bytes per value): after a round
     that completed, the fragment's entries hold what the group counted of this peer's input
-    (see :class:`ExactAllReduceRunner`). Read them under :meth:`get_tensors`, like the tensors.
+    (see :class:`ExactAllReduceRunner`). Read them under :meth:`get_tensors`, like the tensors. With a codec
+    that sends a subset of the values, :attr:`carried` holds one shared bool tensor per averaged tensor (1 byte per
+    value; None for a dense codec): after a round that completed, True where the round's codec sent the value.
     """
 
     matchmaking = PlannedMatchmaking  # hivemind's Matchmaking in the averager's process (see _run_internal)
@@ -596,6 +607,8 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
         self.screen = GroupScreen(members=getattr(dht, "members", None))
         self.rounds_started = 0  # counted in the averager process
         self.sent = [torch.zeros_like(t, dtype=torch.float32).share_memory_() for t in tensors] if record_sent else None
+        self.carried = None if self.codec.sends_every_value else [
+            torch.zeros_like(t, dtype=torch.bool).share_memory_() for t in tensors]
         super().__init__(tensors, *args, **kwargs)
 
     def plan_members(self, token: str, members: Sequence[str], timeout: float = 5.0) -> None:
@@ -675,6 +688,7 @@ class ExactMeanAverager(ReducerAudit, DecentralizedAverager):
             codec=self.codec.for_round(group_id),  # a shared mask is the round's: every member holds its group ID
             rule=self.aggregation,
             sent=None if self.sent is None else [self.sent[i] for i in self.fragments[fragment]],
+            carried=None if self.carried is None else [self.carried[i] for i in self.fragments[fragment]],
             relay_group=relay_group_size(meta.relay_group for meta in metadata.values() if meta.role == "peer"),
             fault_pause_s=faults.allreduce_pause_s(self.rounds_started),
             fault_send_pause_s=faults.allreduce_pause_s(self.rounds_started, role="sender"),

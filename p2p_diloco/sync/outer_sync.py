@@ -60,6 +60,9 @@ class GroupMean:
     # the fragment's tensors as the group counted them in `mean` (this peer's input after the codec's
     # round trip, on the parts it reduced itself too), when asked for: what error feedback subtracts
     sent: Optional[list[torch.Tensor]] = None
+    # the fragment's values the round's codec sent (bool, like `mean`), for a codec that sends a subset of them
+    # (a shared mask): `mean` holds no value of the group elsewhere. None: every value was sent
+    carried: Optional[list[torch.Tensor]] = None
     attempt: int = 1  # which attempt of the step's round this is (train/round_sync.py retries without failed members)
     # where the round's seconds went, by phase (:class:`RoundTimes`; round_sync adds the wait for groupmates)
     phases: dict[str, float] = field(default_factory=dict)
@@ -445,6 +448,7 @@ class OuterSync:
         with self.averager.get_tensors() as buffers:  # the averager writes `sent` under the same lock
             mean = [buffers[i].clone() for i in indices]
             sent = None if self.averager.sent is None else [self.averager.sent[i].clone() for i in indices]
+            carried = None if self.averager.carried is None else [self.averager.carried[i].clone() for i in indices]
         peers = {peer_id: meta for peer_id, meta in metadata.items() if meta.role == "peer"}  # assistants hold no mean
         # as the rule counts them: a robust rule bounds each claim (a lie buys no more here than in the mean)
         counted = dict(zip(peers, counted_claims([m.samples for m in peers.values()], self.averager.aggregation)))
@@ -454,6 +458,7 @@ class OuterSync:
             group_samples=round(sum(counted.values())),
             tokens={peer_id: meta.token for peer_id, meta in peers.items()},
             sent=sent,
+            carried=carried,
             counted_samples=round(counted[self.peer_id]) if self.peer_id in counted else None,
         )
 

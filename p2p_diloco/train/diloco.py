@@ -372,7 +372,7 @@ class DiLoCoPeer(RunMember, KeeperHandOver):
         self.local.sent(indices, to_send, result.sent, fragment)
         self.island.pull()  # the inner steps run while the sync was in flight
         with self._state_lock:
-            self.global_model.apply(result.mean, indices)
+            self.global_model.apply(result.mean, indices, result.carried)
             self.global_model.merge_into(self.local_params, indices, self.cfg.outer.merge_alpha,
                                          owed=self.local.owed(indices))
             self.island.changed(self.inner.steps_done, indices)
