@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from p2p_diloco.schedule import FragmentSchedule
+from p2p_diloco.sync.codecs import get_codec
 from p2p_diloco.swarm.progress import LOADING, READY, TRAINING, PeerProgress
 from p2p_diloco.train.outer import GlobalModel
 from p2p_diloco.protocol.trust import choose_target, moved_past, unverified_step_trusted
@@ -36,10 +37,10 @@ def honest_mean(global_model, indices, generator, first):
     return mean
 
 
-def check(global_model, before, fragments, fragment, state=None):
+def check(global_model, before, fragments, fragment, state=None, sparse=False):
     params, momentum_buffer = before
     return step_problem(params, momentum_buffer, state if state is not None else global_model.state_tensors(),
-                        fragments, fragment, global_model.lr, global_model.momentum, GROWTH)
+                        fragments, fragment, global_model.lr, global_model.momentum, GROWTH, sparse=sparse)
 
 
 def stepped(momentum=0.9, fragments=((0, 1, 2, 3),), steps=6, seed=0):
@@ -78,6 +79,26 @@ def test_plain_sgd_steps_pass_and_momentum_must_stay_zero():
     state = global_model.state_tensors()
     state[4] = state[4] + 1e-3
     assert "stays zero" in check(global_model, before, schedule.fragments, fragment, state)
+
+
+def test_a_step_of_a_mask_codecs_round_passes_in_a_sparse_run_only():
+    """A round of a shared-mask codec steps only the values it carried (GlobalModel.apply): in a run whose codec
+    sends a subset, the values left as they were pass, with no update there; in a dense run they are refused. A
+    value whose θ moved alone, its momentum left as it was, is refused in either."""
+    global_model, _, schedule, fragment = stepped(steps=3)
+    before = snapshot(global_model)
+    indices = schedule.fragments[fragment]
+    generator = torch.Generator().manual_seed(7)
+    codec = get_codec("mask8-e3m0").for_round(b"round")
+    carried = [codec.carried(global_model.params[i].numel()).view_as(global_model.params[i]) for i in indices]
+    mean = [torch.where(c, g, 0.0) for c, g in zip(carried, honest_mean(global_model, indices, generator, False))]
+    global_model.apply(mean, indices, carried)
+    assert check(global_model, before, schedule.fragments, fragment, sparse=True) is None
+    assert "is not θ − η·(g + μ·b')" in check(global_model, before, schedule.fragments, fragment)
+    state = [t.clone() for t in global_model.state_tensors()]
+    not_carried = int((~carried[0]).flatten().nonzero()[0])
+    state[0].view(-1)[not_carried] += 1e-4 * float(state[0].abs().max())
+    assert "θ' of tensor 0 is not" in check(global_model, before, schedule.fragments, fragment, state, sparse=True)
 
 
 def test_a_poisoned_theta_is_refused():

@@ -104,7 +104,12 @@ SUBNORMAL_FLOOR = 2.0 ** -146  # a few of float32's smallest roundings (2⁻¹�
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+    return bool(_equal_bits(a, b).all())
+
+
+def _equal_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the same float32 bits (bool, like `a`)."""
+    return a.contiguous().view(torch.int32) == b.contiguous().view(torch.int32)
 
 
 def step_tolerance(new_params: torch.Tensor, old_momentum: torch.Tensor, new_momentum: torch.Tensor,
@@ -118,12 +123,15 @@ def step_tolerance(new_params: torch.Tensor, old_momentum: torch.Tensor, new_mom
 
 def step_problem(params: Sequence[torch.Tensor], momentum_buffer: Sequence[torch.Tensor],
                  new_state: Sequence[torch.Tensor], fragments: Sequence[Sequence[int]], fragment: int,
-                 lr: float, momentum: float, max_update_growth: float) -> Optional[str]:
+                 lr: float, momentum: float, max_update_growth: float, sparse: bool = False) -> Optional[str]:
     """None if `new_state` (θ' then b', as :meth:`GlobalModel.state_tensors` gives them) is one outer step
     on `fragment` from (`params`, `momentum_buffer`); else why not, in one line.
 
     `lr` and `momentum` are ``outer.lr`` and ``outer.momentum``; `max_update_growth` the update check's
-    (:func:`~p2p_diloco.train.update_check.update_rejection`)."""
+    (:func:`~p2p_diloco.train.update_check.update_rejection`). `sparse`: the run's codec sends a subset of the
+    values each round (a shared mask), so a value the round did not carry keeps its θ and b
+    (:meth:`~p2p_diloco.train.outer.GlobalModel.apply`): a value whose θ and b are both the same bits as before
+    passes as such, with g = 0 there. That leaves a liar nothing a round's mask could not have done."""
     count = len(params)
     new_params, new_momentum = list(new_state[:count]), list(new_state[count:])
     moved = set(fragments[fragment])
@@ -144,15 +152,19 @@ def step_problem(params: Sequence[torch.Tensor], momentum_buffer: Sequence[torch
         implied = [(p - q) / lr32 for p, q in zip(old_p, new_p)]
     else:
         implied = [nb - mu32 * ob for nb, ob in zip(new_b, old_b)]
+    # the values a sparse round did not carry: θ and b unchanged, no update there
+    kept = [_equal_bits(params[i], new_params[i]) & _equal_bits(momentum_buffer[i], new_momentum[i]) if sparse
+            else torch.zeros(params[i].shape, dtype=torch.bool) for i in indices]
+    implied = [torch.where(k, 0.0, g) for k, g in zip(kept, implied)]
     rejection = update_rejection(implied, [momentum_buffer[i] for i in indices], [params[i] for i in indices],
                                  max_update_growth)
     if rejection is not None:
         return f"the update its momentum implies fails the update check: {rejection}"
     if mu32 == 0:
         return None
-    for i, p, ob, np_, nb, g in zip(indices, old_p, old_b, new_p, new_b, implied):
+    for i, p, ob, np_, nb, g, k in zip(indices, old_p, old_b, new_p, new_b, implied, kept):
         direction = g + mu32 * nb
-        error = (np_ - (p - lr32 * direction)).abs()
+        error = torch.where(k, 0.0, (np_ - (p - lr32 * direction)).abs())
         excess = error - step_tolerance(np_, ob, nb, direction, lr32, mu32)
         if bool((excess > 0).any()):
             at = int(excess.argmax())

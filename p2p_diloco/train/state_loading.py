@@ -26,6 +26,7 @@ from p2p_diloco.protocol.decide import Move, next_move
 from p2p_diloco.protocol.plans import RoundPlan, keeps_work
 from p2p_diloco.protocol.trust import is_verifiable, unverified_step_trusted
 from p2p_diloco.protocol.view import LOADING, PeerProgress, averages
+from p2p_diloco.sync.codecs import get_codec
 from p2p_diloco.sync.state_store import StoreError
 from p2p_diloco.sync.state_transfer import GlobalState, StateExpectation, download_global_state, nobody_serves
 from p2p_diloco.train.catch_up import POLL_S
@@ -121,7 +122,8 @@ class StateLoading:
         model = self.global_model
         problem = step_problem(model.params, model.momentum_buffer, state.tensors, self.schedule.fragments,
                                self.schedule.fragment_at(step), model.lr, model.momentum,
-                               self.cfg.outer.max_update_growth)
+                               self.cfg.outer.max_update_growth,
+                               sparse=not get_codec(self.cfg.outer.codec).sends_every_value)
         if problem is None:
             return None
         if unverified_step_trusted(records, self.peer_id, step, self.sha256, (state.outer_step, state.sha256)):
