@@ -85,8 +85,9 @@ class GlobalModel:
         in torch's ``SparseAdam`` (a "lazy" update). Stepped with a mean of 0 instead, the momentum of a value
         not sent went on moving it for rounds with no new word from the group, while the next word, which
         answers that motion, came only when the mask drew the value again (8 rounds on average for mask8):
-        at equal tokens the demo model's held-out loss was 22 % above fp32 DiLoCo's with 1 value in 8, and
-        θ_global ended above its initial loss in a 240 s run over 20 Mbit/s links (docs/benchmarks.md).
+        at equal tokens the demo model's held-out loss was 22 % above fp32 DiLoCo's with 1 value in 8 over 14
+        rounds and 75 % over 34, and θ_global ended above its initial loss in a 240 s run over 20 Mbit/s links;
+        with this rule 11 % over 14 rounds and 5 % over 34 (docs/benchmarks.md).
         The choice is `torch.where` of two IEEE results, the same bits on every CPU."""
         carried = [None] * len(indices) if carried is None else carried
         for i, delta, sent in zip(indices, mean_pseudo_gradient, carried, strict=True):
