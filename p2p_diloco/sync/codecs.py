@@ -22,9 +22,10 @@ codec            format                                      bytes/param  bound 
 The ``mask`` codecs send the values of a mask that every member of a round draws alike from the round's
 ID (:meth:`Codec.for_round`, :class:`SharedMaskCodec`): each reducer still averages parts of one shape,
 coordinate by coordinate, under any robust rule, and error feedback (which they need: the config refuses them
-without it) keeps what a round did not send in θ_local, for the next round, whose mask is another. At equal tokens
-they cost quality with their stride (1 in 8: +11 % held-out loss on the demo model over 14 rounds, +5 % over 34): docs/benchmarks.md. The
-outer step moves only the values a round sent (:meth:`Codec.carried`, :meth:`~p2p_diloco.train.outer.GlobalModel.apply`).
+without it) keeps what a round did not send in θ_local, for the next round, whose mask is another. The outer step
+moves only the values a round sent (:meth:`Codec.carried`, :meth:`~p2p_diloco.train.outer.GlobalModel.apply`). At
+equal tokens they cost quality with their stride (1 in 8: +11 % held-out loss on the demo model over 14 rounds,
++5 % over 34): docs/benchmarks.md.
 
 The block codecs carry one float32 scale (the block's absolute maximum) per block after the codes:
 4/blocksize bytes per parameter of the figures above (1 + 4/256, 0.5 + 4/64). A block codec's

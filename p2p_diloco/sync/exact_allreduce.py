@@ -352,7 +352,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             self._averaged_bytes.setdefault(part_index, encoded)
         return self._averaged_bytes[part_index]
 
-    def _record_sent(self, info: CompressionInfo, counted: Optional[torch.Tensor], numel: int) -> None:
+    def _record_part(self, info: CompressionInfo, counted: Optional[torch.Tensor], numel: int) -> None:
         """Write what the group counts of the part `info` of this peer's input (`numel` values) into ``self.sent``
         (`counted`, when recorded) and which of its values the codec sent into ``self.carried``."""
         start = info.part_index * info.part_size  # hivemind cuts every tensor into parts of part_size values
@@ -370,7 +370,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             counted = None
             if self.sent is not None:  # the reducer counts these very bytes, decoded
                 counted = await loop.run_in_executor(None, self.codec.decode, message.tensor_part.buffer, part.numel())
-            self._record_sent(info, counted, part.numel())  # in the event loop: never after the round is torn down
+            self._record_part(info, counted, part.numel())  # in the event loop: never after the round is torn down
             if self.ledger is not None:
                 self.ledger.sent_input(self.ordered_peer_ids[peer_index], message.tensor_part.buffer,
                                        parts[part_index][0].numel(), self.codec)
@@ -403,7 +403,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             own = await loop.run_in_executor(None, self.codec.encode, tensor_part.reshape(-1).contiguous())
             counted = (await loop.run_in_executor(None, self.codec.decode, own, tensor_part.numel())
                        ).reshape(tensor_part.shape)
-            self._record_sent(self.tensor_part_container._input_parts_by_peer[peer_index][part_index][1], counted,
+            self._record_part(self.tensor_part_container._input_parts_by_peer[peer_index][part_index][1], counted,
                               tensor_part.numel())
             if self.ledger is not None:
                 self.ledger.sent_input(peer_id, own, tensor_part.numel(), self.codec)

@@ -152,10 +152,10 @@ def step_problem(params: Sequence[torch.Tensor], momentum_buffer: Sequence[torch
         implied = [(p - q) / lr32 for p, q in zip(old_p, new_p)]
     else:
         implied = [nb - mu32 * ob for nb, ob in zip(new_b, old_b)]
-    # the values a sparse round did not carry: θ and b unchanged, no update there
-    kept = [_equal_bits(params[i], new_params[i]) & _equal_bits(momentum_buffer[i], new_momentum[i]) if sparse
-            else torch.zeros(params[i].shape, dtype=torch.bool) for i in indices]
-    implied = [torch.where(k, 0.0, g) for k, g in zip(kept, implied)]
+    # the values a sparse round did not carry: θ and b unchanged, no update there (a dense run has none)
+    kept = [_equal_bits(params[i], new_params[i]) & _equal_bits(momentum_buffer[i], new_momentum[i])
+            for i in indices] if sparse else [None] * len(indices)
+    implied = [g if k is None else torch.where(k, 0.0, g) for k, g in zip(kept, implied)]
     rejection = update_rejection(implied, [momentum_buffer[i] for i in indices], [params[i] for i in indices],
                                  max_update_growth)
     if rejection is not None:
@@ -164,7 +164,9 @@ def step_problem(params: Sequence[torch.Tensor], momentum_buffer: Sequence[torch
         return None
     for i, p, ob, np_, nb, g, k in zip(indices, old_p, old_b, new_p, new_b, implied, kept):
         direction = g + mu32 * nb
-        error = torch.where(k, 0.0, (np_ - (p - lr32 * direction)).abs())
+        error = (np_ - (p - lr32 * direction)).abs()
+        if k is not None:
+            error = torch.where(k, 0.0, error)
         excess = error - step_tolerance(np_, ob, nb, direction, lr32, mu32)
         if bool((excess > 0).any()):
             at = int(excess.argmax())
