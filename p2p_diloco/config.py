@@ -175,7 +175,8 @@ class InnerConfig:
 
 # the codecs of p2p_diloco.sync.codecs and the aggregation rules of p2p_diloco.sync.robust, by name: config
 # is a leaf and imports no other layer (tests/test_config.py checks that the lists agree)
-CODEC_NAMES = ("none", "fp16", "bf16", "int8", "nf4", "fp4-bnb", "fp4-e3m0", "mask8-e3m0", "mask16-e3m0")
+CODEC_NAMES = ("none", "fp16", "bf16", "int8", "nf4", "fp4-bnb", "fp4-e3m0", "mask8-e3m0", "mask16-e3m0", "2bit",
+               "1bit", "mask4-2bit", "mask2-1bit")
 AGGREGATION_NAMES = ("centered-clip", "trimmed-mean", "mean")
 
 

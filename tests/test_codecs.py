@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch._dynamo.utils
 
-from p2p_diloco.sync.codecs import CODECS, E3M0Codec, bytes_per_parameter, get_codec
+from p2p_diloco.sync.codecs import CODECS, E3M0Codec, SharedMaskCodec, MeanScaledCodec, bytes_per_parameter, get_codec
 from p2p_diloco.train.error_feedback import ErrorFeedback
 from tests.cuda_marks import ON_CUDA, needs_cuda
 
 NUMEL = 12345  # not a multiple of any block size (256, 64) and odd
-BLOCK_CODECS = ["int8", "nf4", "fp4-bnb", "fp4-e3m0"]
+BLOCK_CODECS = ["int8", "nf4", "fp4-bnb", "fp4-e3m0", "2bit", "1bit"]
 BNB_CODECS = ["int8", "nf4", "fp4-bnb"]
 
 
@@ -209,6 +209,47 @@ def test_bitsandbytes_decode_is_the_plain_formula(codec_name, numel):
     assert torch.equal(codec.decode(data, numel), expected)
 
 
+@pytest.mark.parametrize("numel", [1, 2, 3, 7, 8, 9, 63, 64, 65, NUMEL])
+@pytest.mark.parametrize("codec_name", ["2bit", "1bit"])
+def test_mean_scaled_decode_is_the_plain_formula(codec_name, numel):
+    """Each code, read from its bits in numpy (the first code of a byte in its low bits), is the sign and a
+    level, times its block's scale."""
+    codec = get_codec(codec_name)
+    data = _wire_bytes(codec_name, numel)
+    per_byte = 8 // codec.bits
+    bits = np.unpackbits(np.frombuffer(data, np.uint8, count=-(-numel // per_byte)), bitorder="little")
+    codes = bits.reshape(-1, codec.bits) @ (1 << np.arange(codec.bits))  # each code's bits, low first
+    levels = {"2bit": [0.5625, 1.875, -0.5625, -1.875], "1bit": [1.0, -1.0]}[codec_name]
+    scales = np.frombuffer(data[-(-numel // per_byte):], "<f4")
+    expected = np.array(levels, np.float32)[codes[:numel]] * np.repeat(scales, 64)[:numel]
+    assert np.array_equal(codec.decode(data, numel).numpy().view(np.int32), expected.view(np.int32))
+
+
+@pytest.mark.parametrize("numel", [1, 3, 9, 64, 65, NUMEL])
+@pytest.mark.parametrize("codec_name", ["2bit", "1bit"])
+def test_mean_scaled_encode_is_the_plain_formula(codec_name, numel):
+    """The scale is the block's mean |x| as a float32 tree of halves (each |x| / 64 first; a short last block
+    padded with zeros, its sum times the float32 nearest 64 / L), and each code is the sign bit over whether
+    |x / scale| > 1.25 (2 bits): numpy's float32, comparisons and np.packbits give the same bytes."""
+    codec = get_codec(codec_name)
+    part = _tensor("wide", codec_name)[:numel].numpy()
+    padded = np.zeros(-(-numel // 64) * 64, np.float32)
+    padded[:numel] = np.abs(part) * np.float32(1 / 64)
+    rows = padded.reshape(-1, 64)
+    while rows.shape[1] > 1:
+        rows = rows[:, : rows.shape[1] // 2] + rows[:, rows.shape[1] // 2:]
+    scales = rows[:, 0].copy()
+    if numel % 64:
+        scales[-1] *= np.float32(64 / (numel % 64))
+    ratio = part / np.where(scales > 0, scales, np.float32(1)).repeat(64)[:numel]
+    codes = (ratio < 0).astype(np.int64) << (codec.bits - 1)
+    if codec.bits == 2:
+        codes |= (np.abs(ratio) > np.float32(1.25)).astype(np.int64)
+    bits = ((codes[:, None] >> np.arange(codec.bits)) & 1).astype(np.uint8).reshape(-1)
+    expected = np.packbits(bits, bitorder="little").tobytes() + scales.astype("<f4").tobytes()
+    assert codec.encode(torch.from_numpy(part)) == expected
+
+
 def test_odd_lengths_do_not_make_bitsandbytes_compile():
     """bitsandbytes 0.50 decodes an odd-length 4-bit part with torch.compile, once per new length."""
     frames = dict(torch._dynamo.utils.counters["frames"])
@@ -239,6 +280,46 @@ def test_e3m0_levels_and_rounding():
     assert set(ratio.tolist()) <= set(levels)
 
 
+def _two_bit_blocks_of_scale_1(points: torch.Tensor) -> torch.Tensor:
+    """Blocks of 64 whose mean |x| is exactly 1 (the 2-bit codec's scale: a value is coded as it is): each holds
+    a point p in [0, 2], its float32 neighbours, both signs, at indices i and the partner 2 − p at i + 32 (the
+    first additions of the codec's tree of halves, exact), and ±1 elsewhere."""
+    points = torch.cat([points, torch.nextafter(points, points + 1), torch.nextafter(points, points - 1)])
+    points = points[(points >= 0) & (points <= 2)]
+    blocks = []
+    for k in range(0, points.numel(), 16):
+        chunk = points[k:k + 16]
+        block = torch.ones(64)
+        block[1::2] = -1.0
+        block[:chunk.numel()] = chunk * torch.tensor([1.0, -1.0]).repeat(8)[:chunk.numel()]
+        block[32:32 + chunk.numel()] = 2 - chunk
+        blocks.append(block)
+    return torch.cat(blocks)
+
+
+def test_two_bit_levels_rounding_and_scale():
+    codec = get_codec("2bit")
+    assert isinstance(codec, MeanScaledCodec) and codec.blocksize == 64
+    part = _two_bit_blocks_of_scale_1(torch.tensor([1.25, 0.5625, 1.875, 0.0, 2.0]))
+    decoded = codec.decode(codec.encode(part), part.numel())
+    # scale 1: the nearest of ±0.5625 and ±1.875 with the threshold at 1.25, a tie (1.25 itself) to the lower;
+    # zero has no code of its own (±0.5625 by its sign bit)
+    expected = torch.where(part.abs() > 1.25, 1.875, 0.5625) * torch.where(part.view(torch.int32) < 0, -1.0, 1.0)
+    assert torch.equal(decoded, expected)
+    assert int((part.abs() == 1.25).sum()) > 0 and int((part.abs() == torch.nextafter(torch.tensor(1.25),
+                                                                                       torch.tensor(2.0))).sum()) > 0
+    # the scale is each block's mean |x|, the last, shorter block's too, within float32 rounding
+    part = _tensor("heavy_tailed", "2bit")
+    data = codec.encode(part)
+    scales = torch.from_numpy(np.frombuffer(data[(NUMEL + 3) // 4:], "<f4").copy()).double()
+    magnitude = torch.cat([part.abs().double(), torch.zeros(-NUMEL % 64, dtype=torch.float64)]).view(-1, 64)
+    means = magnitude.sum(1) / torch.tensor([64.0] * (magnitude.shape[0] - 1) + [NUMEL % 64])
+    assert float(((scales - means).abs() / means).max()) < 2.0**-20
+    levels = (codec.decode(data, NUMEL).double() / scales.repeat_interleave(64)[:NUMEL]).abs()
+    nearest = torch.where(levels > 1.25, 1.875, 0.5625)  # each decoded value one float32 rounding from a level
+    assert float(((levels - nearest) / nearest).abs().max()) <= 2.0**-24 and {0.5625, 1.875} == set(nearest.tolist())
+
+
 def test_bitsandbytes_fp4_is_not_e3m0():
     part = torch.tensor([1.0, 2 / 3, 0.5, 0.25, 1 / 6])
     bnb = get_codec("fp4-bnb").decode(get_codec("fp4-bnb").encode(part), 5)
@@ -249,7 +330,9 @@ def test_bitsandbytes_fp4_is_not_e3m0():
 def test_bytes_per_parameter():
     expected = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1 + 4 / 256,
                 "nf4": 0.5 + 4 / 64, "fp4-bnb": 0.5 + 4 / 64, "fp4-e3m0": 0.5 + 4 / 64,
-                "mask8-e3m0": (0.5 + 4 / 64) / 8, "mask16-e3m0": (0.5 + 4 / 64) / 16}
+                "mask8-e3m0": (0.5 + 4 / 64) / 8, "mask16-e3m0": (0.5 + 4 / 64) / 16,
+                "2bit": 0.25 + 4 / 64, "1bit": 0.125 + 4 / 64, "mask4-2bit": (0.25 + 4 / 64) / 4,
+                "mask2-1bit": (0.125 + 4 / 64) / 2}
     assert set(expected) == set(CODECS)
     for name, ratio in expected.items():
         assert bytes_per_parameter(name) == ratio
@@ -258,12 +341,15 @@ def test_bytes_per_parameter():
         assert get_codec("int8").encoded_size(numel) == numel + 4 * blocks_256
         for name in ("nf4", "fp4-bnb", "fp4-e3m0"):
             assert get_codec(name).encoded_size(numel) == (numel + 1) // 2 + 4 * blocks_64
+        assert get_codec("2bit").encoded_size(numel) == (numel + 3) // 4 + 4 * blocks_64
+        assert get_codec("1bit").encoded_size(numel) == (numel + 7) // 8 + 4 * blocks_64
 
 
 def test_get_codec():
     for name, codec in CODECS.items():
         assert get_codec(name) is codec and codec.name == name
-    valid = "none, fp16, bf16, int8, nf4, fp4-bnb, fp4-e3m0, mask8-e3m0, mask16-e3m0"
+    valid = ("none, fp16, bf16, int8, nf4, fp4-bnb, fp4-e3m0, mask8-e3m0, mask16-e3m0, 2bit, 1bit, mask4-2bit, "
+             "mask2-1bit")
     with pytest.raises(ValueError, match=f"unknown codec 'fp8'; valid codecs: {valid}"):
         get_codec("fp8")
 
@@ -276,7 +362,7 @@ def test_residual_for_error_feedback_is_the_round_trip_error():
     assert 0 < float(residual.abs().max()) <= float(codec.error_bound(part).max())
 
 
-@pytest.mark.parametrize("codec", ["fp16", "int8", "nf4", "fp4-e3m0"])
+@pytest.mark.parametrize("codec", ["fp16", "int8", "nf4", "fp4-e3m0", "2bit", "1bit"])
 def test_error_feedback_delays_what_the_codec_drops_and_loses_nothing(codec):
     """Sent values summed over rounds, plus the residual still held, are the pseudo-gradients summed:
     Σ Q(Δ_t + e_t) + e_T = Σ Δ_t (error feedback telescopes), and the residual stays within the bound.
@@ -333,6 +419,8 @@ DECODED_SHA256 = {  # of the float32 part each codec decodes from _wire_bytes (t
     "nf4": "1545916c88ab12606330fd31a0956015fb2df5b3e6b11825101b8c11a2ceae03",
     "fp4-bnb": "cbe78ddd9c0a6a811fafc4606a54842c8fd6be519ed4d1c5dc879bfa47d09f32",
     "fp4-e3m0": "1c71da9c004dbd9c87fe62c81216c44e512953fcf199015e0a29042619d2698d",
+    "2bit": "47d9999bf2a3a922df8cdec2b22875989c17c7c20b1d8248c5ac4abc5202cea4",  # (2026-11-29)
+    "1bit": "492121df1fdc21d0e4b6a7962e9e98d375e40c942cbfde8564c7c354824e8dc6",
 }
 
 
@@ -349,6 +437,8 @@ ENCODED_SHA256 = {  # of the bytes each codec encodes from the part below (the i
     "nf4": "349c4233b005ebe4d1071edcaa3818dd008fd007a39ba64b770e3fd732b3b4d9",
     "fp4-bnb": "3d57568ddc9dc3e4e795fc17ff9540309076daf1729041214a983a5c4bc620b9",
     "fp4-e3m0": "4118a7494aaa7f1f543da0bc51b4a21816b09b2af77453bdec880a919ae74a70",
+    "2bit": "a2e96004b9d4d1e50170e7ba84e10214536efc8211a91b93885ac27743f6a0dc",  # (2026-11-29)
+    "1bit": "e1a46910d61577d6931a431e91ba3040744f7446f49539e178e239d796a37116",
 }
 
 
@@ -370,11 +460,15 @@ def _midpoints_and_neighbours(codec_name: str) -> torch.Tensor:
     the values halfway between two fp16 or bf16 values for those; both signs."""
     from p2p_diloco.sync.codecs import _E3M0_MIDPOINTS, _bnb_map
 
+    codec = get_codec(codec_name)
+    values_codec = codec.values if isinstance(codec, SharedMaskCodec) else codec
+    if isinstance(values_codec, MeanScaledCodec):
+        return _two_bit_blocks_of_scale_1(torch.tensor([1.25, 0.5625, 1.875, 0.0]))
     if codec_name in ("fp16", "bf16"):
         dtype = torch.float16 if codec_name == "fp16" else torch.bfloat16
         grid = (torch.rand(4000, generator=_generator()) * 8 - 4).to(dtype)
         points = (grid.float() + torch.nextafter(grid, torch.full_like(grid, 100.0)).float()) / 2
-    elif codec_name == "fp4-e3m0":
+    elif isinstance(values_codec, E3M0Codec):
         points = _E3M0_MIDPOINTS
     elif codec_name == "none":
         points = torch.rand(100, generator=_generator())
@@ -383,7 +477,7 @@ def _midpoints_and_neighbours(codec_name: str) -> torch.Tensor:
         points = (code[:-1] + code[1:]) / 2
     points = torch.cat([points, torch.nextafter(points, points + 1), torch.nextafter(points, points - 1)])
     points = torch.cat([points, -points]).clamp(-0.999, 0.999)
-    blocksize = max(get_codec(codec_name).blocksize, 2)
+    blocksize = max(values_codec.blocksize, 2)
     per_block = points.split(blocksize - 1)
     return torch.cat([torch.cat([torch.ones(1), values]) for values in per_block])
 

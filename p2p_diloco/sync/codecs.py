@@ -17,6 +17,10 @@ codec            format                                      bytes/param  bound 
 ``fp4-e3m0``     sign, 3-bit exponent, no mantissa, 64/blk   0.5625       max(|x|/3, absmax/128)
 ``mask8-e3m0``   1 value in 8 (the round's mask), fp4-e3m0   0.0703125    fp4-e3m0's on a value sent; |x|
 ``mask16-e3m0``  1 value in 16 (the round's mask), fp4-e3m0  0.03515625   fp4-e3m0's on a value sent; |x|
+``2bit``         sign, 2 levels × block mean |x|, 64/block   0.3125       max(0.6875·s, |x| − 1.875·s)
+``1bit``         sign × block mean |x| (s), 64 per block     0.1875       max(s, |x| − s)
+``mask4-2bit``   1 value in 4 (the round's mask), 2bit       0.078125     2bit's on a value sent; |x|
+``mask2-1bit``   1 value in 2 (the round's mask), 1bit       0.09375      1bit's on a value sent; |x|
 ===============  ==========================================  ===========  =================================
 
 The ``mask`` codecs send the values of a mask that every member of a round draws alike from the round's
@@ -371,13 +375,16 @@ def _scaled_lookup(table: torch.Tensor, data: bytes, numel: int, scales: torch.T
     C decoders give the same bits on x86, but for the sign of FP4's zero code; the tests compare them).
 
     The codes are the first bytes of `data`, `per_byte` to a byte: one (`table` holds a float32 per code),
-    or two, the first in the high nibble (`table` holds a value pair per byte, :func:`_nibble_pairs`; an
-    odd `numel`'s pad code is dropped). A byte is looked up by an index_select with int32 codes (several
-    times faster on a CPU than indexing with int64), pass by pass (:func:`_passes`) into the decoded part."""
+    two, the first in the high nibble (`table` holds a value pair per byte, :func:`_nibble_pairs`), or four or
+    eight, the first in the low bits (`table` holds a byte's values as a row of int64,
+    :func:`_mean_scaled_byte_values`); the pad codes of a `numel` off that grid are dropped. A byte is looked up
+    by an index_select with int32 codes (several times faster on a CPU than indexing with int64), pass by pass
+    (:func:`_passes`) into the decoded part."""
     decoded = torch.empty(-(-numel // per_byte) * per_byte, dtype=torch.float32, device=device)
-    looked_up = decoded.view(table.dtype)  # a value pair is looked up as one int64: moved bit for bit
-    codes = np.frombuffer(data, dtype=np.uint8, count=looked_up.numel())
-    spans = _passes(looked_up.numel(), max(blocksize // per_byte, 1), device)
+    # a value pair is looked up as one int64, four as a row of two: moved bit for bit
+    looked_up = decoded.view(table.dtype).view(-1, *table.shape[1:])
+    codes = np.frombuffer(data, dtype=np.uint8, count=looked_up.shape[0])
+    spans = _passes(looked_up.shape[0], max(blocksize // per_byte, 1), device)
     index = torch.empty(spans[0][1], dtype=torch.int32)
     for start, stop in spans:
         length = stop - start
@@ -689,6 +696,26 @@ def _e3m0_code_table() -> torch.Tensor:
     return torch.cat([negative_codes, magnitude_codes])
 
 
+def _codes_by_ratio(values: torch.Tensor, scales: torch.Tensor, blocksize: int, table: torch.Tensor,
+                    ratio: torch.Tensor, out: torch.Tensor) -> None:
+    """The code (uint8, into `out`) of each of `values` in a format whose code depends on r = x / scale alone,
+    r being one IEEE division by its block's scale (a block of scale 0 is divided by 1; |x / s| is |x| / s, bit
+    for bit), into `ratio`. The code is ``table[ceil(b / 2^16) + 2^15]``, b the float32 bits of r read as an
+    int32, so `table` (2^16 codes) gives one code to every run of floats that share their 16 high bits, the
+    run's top included: a format whose thresholds between codes have bits that are multiples of 2^16 (its ties
+    go to the lower magnitude) is coded exactly, whatever r is (a negative float's bits are its magnitude's
+    minus 2^31, so the table's first half holds the negative codes). One division and three integer passes: a
+    CPU compares floats into booleans several times slower than it shifts integers."""
+    divisors = torch.where(scales > 0, scales, 1.0)
+    (full, tail), (full_ratio, tail_ratio) = _blocks(values, blocksize), _blocks(ratio, blocksize)
+    torch.div(full, divisors[: full.shape[0], None], out=full_ratio)
+    if tail.numel():
+        torch.div(tail, divisors[-1], out=tail_ratio)
+    # b + 2^16 − 1 never overflows: |r| is at most +inf (0x7F800000), never NaN
+    index = ratio.view(torch.int32).add_(2**16 - 1).bitwise_right_shift_(16).add_(2**15)
+    torch.index_select(table, 0, index, out=out)
+
+
 @dataclass(frozen=True)
 class E3M0Codec(Codec):
     """FP4 E3M0 as in Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): 1 sign bit,
@@ -741,20 +768,167 @@ class E3M0Codec(Codec):
 
     def _codes(self, values: torch.Tensor, scales: torch.Tensor, ratio: torch.Tensor, out: torch.Tensor) -> None:
         """The code of each of `values` into `out` (uint8), its blocks' scales into `scales`; `ratio` (float32,
-        like `values`) takes x / scale: one table lookup of ``ceil(bits / 2^16)`` (:func:`_e3m0_code_table`)."""
+        like `values`) takes x / scale (:func:`_codes_by_ratio`, :func:`_e3m0_code_table`)."""
         _block_absmax(values, self.blocksize, torch.abs(values, out=ratio), out=scales)
-        # x / scale; a block of zeros (scale 0) is divided by 1: its ratios are 0 (|x / s| is |x| / s, bit for bit)
-        divisors = torch.where(scales > 0, scales, 1.0)
-        (full, tail), (full_ratio, tail_ratio) = _blocks(values, self.blocksize), _blocks(ratio, self.blocksize)
-        torch.div(full, divisors[: full.shape[0], None], out=full_ratio)
-        if tail.numel():
-            torch.div(tail, divisors[-1], out=tail_ratio)
-        bits = ratio.view(torch.int32)  # ceil(b / 2^16) + 2^15: b + 2^16 − 1 never overflows, as |x / s| ≤ 1
-        index = bits.add_(2**16 - 1).bitwise_right_shift_(16).add_(2**15)
-        torch.index_select(_on_device(values.device, _e3m0_code_table), 0, index, out=out)
+        _codes_by_ratio(values, scales, self.blocksize, _on_device(values.device, _e3m0_code_table), ratio, out)
 
     def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
         return _decode_nibbles(self.name, "e3m0", data, numel, self.blocksize, device)
+
+
+@dataclass(frozen=True)
+class _MeanScaledFormat:
+    """The levels of a :class:`MeanScaledCodec` of `bits` bits a value, in units of its block's mean |x|: the sign,
+    and a magnitude code that is 1 where |x / scale| > `threshold` (ties below; its float32 bits a multiple of
+    2^16, :func:`_codes_by_ratio`). All exact in float32. `reach`: the largest error below the threshold."""
+
+    bits: int
+    levels: tuple[float, ...]  # the magnitude of each magnitude code
+    threshold: float  # +inf for one level
+    reach: float
+
+
+_MEAN_SCALED_FORMATS = {
+    # the sign times the mean |x|: the scaled sign of EF-signSGD (Karimireddy et al. 2019, arXiv 1901.09847)
+    1: _MeanScaledFormat(bits=1, levels=(1.0,), threshold=math.inf, reach=1.0),
+    # within 2.4 % of the optimal four levels of a Gaussian (Max 1960, Lloyd 1982: ±0.4528σ and ±1.510σ, the
+    # threshold at 0.9816σ, with mean |x| = 0.798σ)
+    2: _MeanScaledFormat(bits=2, levels=(0.5625, 1.875), threshold=1.25, reach=1.25 - 0.5625),
+}
+
+
+@functools.cache
+def _mean_scaled_code_table(bits: int) -> torch.Tensor:
+    """The code (uint8) of every ratio r = x / scale, indexed as :func:`_codes_by_ratio` reads it, on the CPU: the
+    top bit the sign of r, then (2 bits) whether |r| > the threshold; every |r| of a run of floats with 16 high
+    bits c is above a threshold whose bits are a multiple of 2^16 exactly when c is above its 16 high bits."""
+    threshold_high_bits = int(np.float32(_MEAN_SCALED_FORMATS[bits].threshold).view(np.int32)) >> 16  # ∞: 0x7F80
+    magnitude_codes = (torch.arange(2**15, dtype=torch.int32) > threshold_high_bits).to(torch.uint8)
+    return torch.cat([magnitude_codes | (1 << (bits - 1)), magnitude_codes])
+
+
+@functools.cache
+def _mean_scaled_byte_values(bits: int) -> torch.Tensor:
+    """For each byte of 8 / `bits` codes (the first in the low bits), their values in units of the scale, read as
+    int64 (a [256, 4 / bits] tensor), on the CPU: what :func:`_scaled_lookup` looks up (and :func:`_on_device`
+    copies)."""
+    levels = torch.tensor(_MEAN_SCALED_FORMATS[bits].levels)
+    values = torch.cat([levels, -levels])  # code = sign · 2^(bits − 1) + magnitude code
+    codes = torch.arange(256).unsqueeze(1).bitwise_right_shift(torch.arange(0, 8, bits)).bitwise_and_(2**bits - 1)
+    return values[codes].contiguous().view(torch.int64)
+
+
+def _pack_low_first(codes: torch.Tensor, numel: int, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """The first `numel` codes of `bits` bits (uint8, with room for a byte's worth more) 8 / `bits` per byte into
+    `out` (uint8), the first in the low bits; a `numel` off that grid pads with code 0. A byte's codes are read as
+    one word w = c0 + 2^8·c1 + 2^16·c2 + … (little-endian), whose low byte after ``w | w >> (8 − bits) |
+    w >> 2(8 − bits) | …`` holds ``c0 | c1 << bits | c2 << 2·bits | …``, the cast to uint8 keeping it."""
+    per_byte = 8 // bits
+    padded = -(-numel // per_byte) * per_byte
+    codes.narrow(0, numel, padded - numel).zero_()
+    words = codes.narrow(0, 0, padded).view(torch.int64 if per_byte == 8 else torch.int32)
+    packed = words.clone()
+    for k in range(1, per_byte):
+        packed.bitwise_or_(words >> (k * (8 - bits)))
+    return out.copy_(packed)
+
+
+def _row_sums(rows: torch.Tensor) -> torch.Tensor:
+    """The sum of each row of `rows` ([n, 2^k]) as a tree of halves, ``s[:, :k] + s[:, k:]``: one IEEE addition
+    after another on whole tensors, in the same order on every CPU and GPU whatever its vector width (the order
+    of a torch.sum depends on it), so the same bits everywhere."""
+    while rows.shape[1] > 1:
+        half = rows.shape[1] // 2
+        rows = torch.add(rows[:, :half], rows[:, half:])
+    return rows.view(-1)
+
+
+def _block_mean_abs(magnitude: torch.Tensor, blocksize: int, out: torch.Tensor) -> torch.Tensor:
+    """The mean of each block of `magnitude` (|x|, overwritten), `blocksize` a power of two, into `out`: each value
+    times 1/blocksize (exact but below 2^-126), then each block's :func:`_row_sums`; a last, shorter block of
+    length L is padded with zeros and its sum multiplied by the float32 nearest blocksize / L. Scaled before it
+    is summed, no block of finite values overflows but for a rounding at float32's largest."""
+    magnitude.mul_(1.0 / blocksize)
+    full, tail = _blocks(magnitude, blocksize)
+    out.narrow(0, 0, full.shape[0]).copy_(_row_sums(full))
+    if tail.numel():
+        padded = torch.cat([tail, tail.new_zeros(blocksize - tail.numel())]).view(1, blocksize)
+        widen = torch.tensor(blocksize / tail.numel(), dtype=torch.float32, device=tail.device)
+        out.narrow(0, full.shape[0], 1).copy_(_row_sums(padded)).mul_(widen)
+    return out
+
+
+@dataclass(frozen=True)
+class MeanScaledCodec(Codec):
+    """1 or 2 bits a value with a float32 scale per block of 64 values, the block's mean |x|: each value's sign
+    and, with 2 bits, one of two magnitudes, 0.5625 or 1.875 times the scale, the nearer as far as a threshold at
+    1.25 times it decides (:data:`_MEAN_SCALED_FORMATS`); with 1 bit, the scale itself (EF-signSGD's scaled sign).
+    A scale of the mean rather than the absolute maximum keeps the levels where most values are: a value beyond
+    the top level is clipped, and what the clip or the rounding leaves is the error feedback's
+    (:mod:`p2p_diloco.train.error_feedback`; MuLoCo's 2-bit and SparseLoCo's 2-bit values keep error feedback,
+    arXiv 2505.23725, 2508.15706). 8 / bits codes per byte, the first in the low bits (a `numel` off that grid
+    pads with code 0, which decode ignores); then one float32 scale per block, little-endian: 0.3125 bytes per
+    parameter with 2 bits, 0.1875 with 1. Zero has no code: it decodes to ± the lowest level, within the bound.
+
+    Encode is IEEE arithmetic and a table lookup (:func:`_block_mean_abs`, :func:`_codes_by_ratio`): the same
+    bytes on every CPU and GPU, so a reducer's audit compares bytes. Decode is one table lookup times the scale
+    (:func:`_scaled_lookup`).
+
+    Bound. Write s for the scale, r = |x|/s, and l1 < l2 for the levels (one level l: l1 = l2 = l, threshold t =
+    ∞). If r ≤ t the value decodes to l1·s, at most max(l1, t − l1)·s away (with one level, max(l, r − l)·s); if
+    r > t, to l2·s, at most max(l2 − t, r − l2)·s away. So, exactly, ``|x̂ − x| ≤ max(reach·s, |x| − l2·s)``,
+    reach = t − l1 = 0.6875 with 2 bits, 1 with 1 bit. In float32, r is rounded by at most 2^-24·r, which moves
+    the threshold by t·2^-23·s at most, and the decoded value by 2^-24 of itself or, below 2^-126, by 2^-150. The
+    stated bound is ``max(reach·s, |x| − l2·s) + 2^-20·(|x| + s) + 2^-149`` (s = 0 only in a block of zeros).
+    """
+
+    name: str = "2bit"
+    bits: int = 2
+    blocksize: int = 64
+    reproducible_encode: bool = True  # a tree of additions, one division, a table lookup
+
+    def __post_init__(self):
+        if self.bits not in _MEAN_SCALED_FORMATS or self.blocksize < 1 or self.blocksize & (self.blocksize - 1):
+            raise ValueError(f"codec {self.name!r}: 1 or 2 bits and a block size that is a power of two, got "
+                             f"{self.bits} and {self.blocksize}")
+
+    def encoded_size(self, numel: int) -> int:
+        return -(-numel * self.bits // 8) + 4 * -(-numel // self.blocksize)
+
+    def error_bound(self, part: torch.Tensor) -> torch.Tensor:
+        part = self._checked_part(part)
+        form = _MEAN_SCALED_FORMATS[self.bits]
+        magnitude = part.abs()
+        scales = _block_mean_abs(magnitude.clone(), self.blocksize, part.new_empty(-(-part.numel() // self.blocksize)))
+        scale = _per_element(scales, self.blocksize, part.numel())
+        worst = torch.maximum(scale * form.reach, magnitude - scale * form.levels[-1])
+        return worst + (magnitude + scale) * 2.0**-20 + FLOAT32_MIN_SUBNORMAL
+
+    def _encode(self, part: torch.Tensor) -> bytes:
+        numel, device, blocksize, per_byte = part.numel(), part.device, self.blocksize, 8 // self.bits
+        spans = _passes(numel, blocksize, device)
+        packed = torch.empty(-(-numel // per_byte), dtype=torch.uint8, device=device)
+        scales = torch.empty(-(-numel // blocksize), dtype=torch.float32, device=device)
+        width = spans[0][1]
+        ratio = torch.empty(width, device=device)
+        codes = torch.empty(width + per_byte, dtype=torch.uint8, device=device)
+        table = _on_device(device, _mean_scaled_code_table, self.bits)
+        for start, stop in spans:
+            length = stop - start
+            values, pass_ratio = part.narrow(0, start, length), ratio.narrow(0, 0, length)
+            pass_scales = scales.narrow(0, start // blocksize, -(-length // blocksize))
+            _block_mean_abs(torch.abs(values, out=pass_ratio), blocksize, pass_scales)
+            _codes_by_ratio(values, pass_scales, blocksize, table, pass_ratio, codes.narrow(0, 0, length))
+            _pack_low_first(codes, length, self.bits, packed.narrow(0, start // per_byte, -(-length // per_byte)))
+        if _non_finite(scales):  # (the mean of finite values overflows only within a rounding of float32's largest)
+            raise ValueError(f"codec {self.name!r}: a block's mean |x| is beyond float32: the run diverged")
+        return _host_bytes(packed, scales)
+
+    def _decode(self, data: bytes, numel: int, device: torch.device) -> torch.Tensor:
+        per_byte = 8 // self.bits
+        scales = _scales_from_bytes(self.name, data[-(-numel // per_byte):], device)
+        table = _on_device(device, _mean_scaled_byte_values, self.bits)
+        return _scaled_lookup(table, data, numel, scales, self.blocksize, device, per_byte=per_byte)
 
 
 # the multipliers of the mask's integer hash (odd, below 2^31 after the first, so that every product of a
@@ -878,6 +1052,10 @@ CODECS: dict[str, Codec] = {
         E3M0Codec(),
         SharedMaskCodec(name="mask8-e3m0", stride=8, values=E3M0Codec(name="mask8-e3m0")),
         SharedMaskCodec(name="mask16-e3m0", stride=16, values=E3M0Codec(name="mask16-e3m0")),
+        MeanScaledCodec(name="2bit", bits=2),
+        MeanScaledCodec(name="1bit", bits=1),
+        SharedMaskCodec(name="mask4-2bit", stride=4, values=MeanScaledCodec(name="mask4-2bit", bits=2)),
+        SharedMaskCodec(name="mask2-1bit", stride=2, values=MeanScaledCodec(name="mask2-1bit", bits=1)),
     )
 }
 
