@@ -37,7 +37,8 @@ from quality import (
     add_run_arguments, benchmark_config, checked_run_arguments, count_trainable_params, percent_gap, run_diloco,
 )
 
-# each with DiLoCo's own sync, no error feedback: the mask codecs need it (run them as --variants, with error_feedback=true)
+# each with DiLoCo's own sync, no error feedback: the mask and the 1- and 2-bit codecs need it (run them as
+# --variants, with error_feedback=true)
 DEFAULT_CODECS = ("none", "fp16", "int8", "nf4", "fp4-e3m0")
 
 

@@ -369,12 +369,18 @@ def _check_fragments(cfg: Config) -> None:
 
 def _check_sparse_codec(outer: OuterConfig) -> None:
     """A codec that sends one value in `stride` (p2p_diloco.sync.codecs.SharedMaskCodec) needs error feedback: without
-    it the values a round does not send are dropped from the run for good."""
+    it the values a round does not send are dropped from the run for good; so does a codec of 1 or 2 bits a value
+    (MeanScaledCodec), which clips what lies beyond its top level."""
     sparse = re.fullmatch(r"mask(\d+)-.+", outer.codec)  # the mask codecs are named by their stride
     stride = int(sparse.group(1)) if sparse else 0
     if stride and not outer.error_feedback:
         raise ConfigError(f"config: outer.codec = {outer.codec!r} sends 1 value in {stride} of each pseudo-gradient and "
                           f"needs outer.error_feedback = true, or the other {stride - 1} are dropped every round")
+    bits = re.fullmatch(r"(?:mask\d+-)?(\d)bit", outer.codec)  # MeanScaledCodec: 1 or 2 bits a value
+    if bits and not outer.error_feedback:
+        raise ConfigError(f"config: outer.codec = {outer.codec!r} codes each value in {bits.group(1)} bit(s) around its "
+                          "block's mean |x|, clipping the largest, and needs outer.error_feedback = true, or what it "
+                          "clips and rounds off is lost every round")
 
 
 def _check_pretrained(cfg: Config) -> None:

@@ -36,6 +36,9 @@ from tests.conftest import REPO
         ({"eval": {"every_steps": 1}}, "unknown key eval.every_steps"),
         ({"outer": {"codec": "mask16-e3m0", "error_feedback": False}},
          "outer.codec = 'mask16-e3m0' sends 1 value in 16 of each pseudo-gradient and needs outer.error_feedback"),
+        ({"outer": {"codec": "2bit", "error_feedback": False}},
+         "outer.codec = '2bit' codes each value in 2 bit(s) around its block's mean |x|, clipping the largest, and "
+         "needs outer.error_feedback"),
         ({"model": {"revision": "v1"}}, "model.revision = 'v1' needs model.pretrained"),
         ({"model": {"pretrained": "org/lm", "name": "gpt2"}, "data": {"tokenizer": "org/lm"}},
          "model.name = 'gpt2' conflicts with model.pretrained = 'org/lm': the pretrained model's own config is"),

@@ -144,11 +144,12 @@ def test_error_feedback_sends_every_value_in_time_and_loses_nothing(codec_name):
     assert float(feedback.residual[0].norm()) < 0.15 * float(delta.norm())
 
 
+@pytest.mark.parametrize("codec_name", MASK_CODECS + ["2bit", "1bit"])  # (the dense ones: a mask of every value)
 @pytest.mark.parametrize("rule", ["centered-clip", "trimmed-mean"])
-def test_robust_rules_over_decoded_parts_clip_a_hostile_part_and_keep_the_mask(rule):
+def test_robust_rules_over_decoded_parts_clip_a_hostile_part_and_keep_the_mask(rule, codec_name):
     """Five senders' parts through the round's codec, one of them ×1000: the robust result is zero off the
     mask, and on it within the honest parts' range, where the plain mean is dragged far off."""
-    codec = get_codec("mask8-e3m0").for_round(b"group-id")
+    codec = get_codec(codec_name).for_round(b"group-id")
     parts = [codec.decode(codec.encode(_normal(NUMEL, 10 + i)), NUMEL) for i in range(5)]
     hostile = codec.decode(codec.encode(_normal(NUMEL, 15) * 1000), NUMEL)
     claims = [64.0] * 5
