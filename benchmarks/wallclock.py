@@ -33,8 +33,10 @@ sequences per peer per step, inner AdamW and lr schedule; peer i reads the same 
 - **defaults** and **defaults-fixed-tau-5** (not run unless --methods names them): DiLoCo with the shipped
   [outer] defaults (4-bit with error feedback, α = 0.5, the overlap ending with the first inner step after
   the sync, 10 at most), and the same with the overlap of before, exactly 5 inner steps.
-- **defaults-fp32** and **defaults-mask8** (not run unless --methods names them): the shipped [outer] defaults
-  with another codec, fp32 ("none") or a shared eighth of the values in 4-bit ("mask8-e3m0").
+- **defaults-fp32**, **defaults-mask8**, **defaults-2bit** and **defaults-mask2** (not run unless --methods names
+  them): the shipped [outer] defaults with another codec, fp32 ("none"), a shared eighth of the values in 4-bit
+  ("mask8-e3m0"), 2-bit values ("2bit"), or a shared half of the values in 1 bit ("mask2-1bit", with the outer
+  lr = 1.4 and momentum = 0.5 that benchmarks/codec_quality.py measured best for the mask codecs).
 
 The swarm timeouts are the same for all methods (matchmaking 1 s, request timeout 0.5 s); only
 data-parallel's averager also has the group size 4. The model and data are benchmarks/quality.py's
@@ -94,13 +96,18 @@ METHODS = {  # name: [outer] settings (None: data-parallel)
     # the shipped sync with another codec: full precision, and an eighth of the values (issue 43's equal wall-clock)
     "defaults-fp32": {**SHIPPED_SYNC, "codec": "none"},
     "defaults-mask8": {**SHIPPED_SYNC, "codec": "mask8-e3m0"},
+    # 2 bits a value; and half the values in 1 bit, with the outer step codec_quality.py measured for the masks
+    "defaults-2bit": {**SHIPPED_SYNC, "codec": "2bit"},
+    "defaults-mask2": {**SHIPPED_SYNC, "codec": "mask2-1bit", "lr": 1.4, "momentum": 0.5},
 }
 LABELS = {"dp": "data-parallel (all-reduce every step, fp32)", "diloco": "DiLoCo (fp32)",
           "streaming-4bit": "streaming DiLoCo, 4-bit (fp4-e3m0 + error feedback, P=2, τ=H/P−1, α=0.5)",
           "defaults": "the defaults: 4-bit DiLoCo, the overlap ending with the sync (τ ≤ 10), α=0.5",
           "defaults-fixed-tau-5": "4-bit DiLoCo, τ = 5 fixed, α=0.5 (the defaults before)",
           "defaults-fp32": "the defaults with fp32 values (codec none)",
-          "defaults-mask8": "the defaults with an eighth of the values in 4-bit (codec mask8-e3m0)"}
+          "defaults-mask8": "the defaults with an eighth of the values in 4-bit (codec mask8-e3m0)",
+          "defaults-2bit": "the defaults with 2-bit values (codec 2bit)",
+          "defaults-mask2": "the defaults with half the values in 1 bit (codec mask2-1bit), outer lr 1.4, momentum 0.5"}
 SWARM = {"matchmaking_time": 1.0, "request_timeout": 0.5, "round_wait_timeout": 30.0, "allreduce_timeout": 30.0,
          "next_chunk_timeout": 5.0, "commit_timeout": 10.0, "progress_ttl": 60.0, "start_wait_timeout": 120.0}
 DP_FINISH_GRACE_S = 10.0  # a data-parallel round in flight at the deadline may finish within this
