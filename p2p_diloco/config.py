@@ -383,6 +383,26 @@ def _check_sparse_codec(outer: OuterConfig) -> None:
                           "clips and rounds off is lost every round")
 
 
+# the outer momentum above which a mask codec's runs were measured worse (docs/benchmarks.md, issue 43: mask2-1bit
+# +1.3 % of fp32 with lr 1.4, momentum 0.5; +2.9 % with lr 1.0, momentum 0.8; mask4-2bit +7.4 % with the defaults)
+MASK_CODEC_MOMENTUM_ADVISED = 0.5
+MASK_CODEC_LR_ADVISED = 1.4
+
+
+def advice(cfg: Config) -> list[str]:
+    """Settings that are valid but that the benchmarks measured worse than another choice, each a sentence for a
+    peer's log at start (a run's settings are its own: nothing is changed)."""
+    notes = []
+    mask = re.fullmatch(r"mask(\d+)-.+", cfg.outer.codec)
+    if mask and cfg.outer.momentum > MASK_CODEC_MOMENTUM_ADVISED:
+        notes.append(f"outer.codec = {cfg.outer.codec!r} with outer.momentum = {cfg.outer.momentum:g}: a value is sent "
+                     f"one round in {mask.group(1)} with what it gathered meanwhile, and its momentum moves only then, "
+                     f"so this momentum remembers {mask.group(1)}× as many rounds as in a dense run; the demo model "
+                     f"trained best with outer.lr = {MASK_CODEC_LR_ADVISED:g} and outer.momentum = "
+                     f"{MASK_CODEC_MOMENTUM_ADVISED:g} (docs/benchmarks.md, the 1- and 2-bit codecs)")
+    return notes
+
+
 def _check_pretrained(cfg: Config) -> None:
     """What a pretrained model decides (its architecture, its tokenizer) is not also set otherwise; its sizes
     are checked against its own config once it is read (p2p_diloco.train.pretrained)."""

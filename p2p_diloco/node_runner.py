@@ -397,12 +397,17 @@ def _run_peer(cfg, initial_peers, device, options: PeerOptions, island) -> int:
 
 
 def _say_reachability(diloco, options: PeerOptions, metrics) -> None:
-    """Where others reach this peer, and whether they can (its first lines on stdout), and the same in its metrics."""
+    """Where others reach this peer, and whether they can (its first lines on stdout), and the same in its metrics;
+    then the run's settings (their fingerprint, and :func:`~p2p_diloco.config.advice` on them) in its log."""
+    from p2p_diloco.config import advice
+
     print_maddrs(diloco.node.dht, prefix="peer reachable at ")
     reachability = diloco.node.reachability
     summary = reachability.summary(options.port)
     print(summary, flush=True)
     logger.info("run %r, settings fingerprint %s", diloco.config.run.name, diloco.fingerprint[:16])
+    for note in advice(diloco.config):
+        logger.warning(note)
     metrics.write("reachability", reachability=reachability.mode, detail=reachability.detail,
                   reduces=reachability.can_reduce, summary=summary)
 

@@ -174,3 +174,15 @@ def test_the_aggregation_settings_are_checked_and_part_of_the_fingerprint(tmp_pa
     for setting, value in (("claim_cap", "2.0"), ("norm_clip", "2.0"), ("drop_opposed", "false")):
         exact.write_text(f"[outer]\n{setting} = {value}\n")
         assert run_fingerprint(load_config(exact), "0" * 64) != base, setting
+
+
+def test_advice_names_a_mask_codecs_momentum_and_leaves_the_settings_as_they_are():
+    from p2p_diloco.config import advice
+
+    assert advice(config_from_dict({})) == []  # the defaults: fp4-e3m0
+    cfg = config_from_dict({"outer": {"codec": "mask2-1bit"}})
+    (note,) = advice(cfg)
+    assert note.startswith("outer.codec = 'mask2-1bit' with outer.momentum = 0.9: a value is sent one round in 2")
+    assert "outer.lr = 1.4 and outer.momentum = 0.5" in note and cfg.outer.momentum == 0.9
+    assert advice(config_from_dict({"outer": {"codec": "mask2-1bit", "lr": 1.4, "momentum": 0.5}})) == []
+    assert advice(config_from_dict({"outer": {"codec": "2bit"}})) == []  # dense: every value moves every round
