@@ -375,7 +375,8 @@ def _check_sparse_codec(outer: OuterConfig) -> None:
     stride = int(sparse.group(1)) if sparse else 0
     if stride and not outer.error_feedback:
         raise ConfigError(f"config: outer.codec = {outer.codec!r} sends 1 value in {stride} of each pseudo-gradient and "
-                          f"needs outer.error_feedback = true, or the other {stride - 1} are dropped every round")
+                          f"needs outer.error_feedback = true, or the {stride - 1} in {stride} it does not send are "
+                          "dropped every round")
     bits = re.fullmatch(r"(?:mask\d+-)?(\d)bit", outer.codec)  # MeanScaledCodec: 1 or 2 bits a value
     if bits and not outer.error_feedback:
         raise ConfigError(f"config: outer.codec = {outer.codec!r} codes each value in {bits.group(1)} bit(s) around its "
