@@ -367,12 +367,18 @@ def _check_fragments(cfg: Config) -> None:
                           f"{outer.fragments} (one fragment syncs every steps_per_outer / fragments inner steps)")
 
 
+def mask_stride(codec: str) -> int:
+    """The stride of a codec that sends one value in `stride` (p2p_diloco.sync.codecs.SharedMaskCodec, named
+    ``mask<stride>-<values>``); 0 for a codec that sends every value."""
+    sparse = re.fullmatch(r"mask(\d+)-.+", codec)
+    return int(sparse.group(1)) if sparse else 0
+
+
 def _check_sparse_codec(outer: OuterConfig) -> None:
     """A codec that sends one value in `stride` (p2p_diloco.sync.codecs.SharedMaskCodec) needs error feedback: without
     it the values a round does not send are dropped from the run for good; so does a codec of 1 or 2 bits a value
     (MeanScaledCodec), which clips what lies beyond its top level."""
-    sparse = re.fullmatch(r"mask(\d+)-.+", outer.codec)  # the mask codecs are named by their stride
-    stride = int(sparse.group(1)) if sparse else 0
+    stride = mask_stride(outer.codec)
     if stride and not outer.error_feedback:
         raise ConfigError(f"config: outer.codec = {outer.codec!r} sends 1 value in {stride} of each pseudo-gradient and "
                           f"needs outer.error_feedback = true, or the {stride - 1} in {stride} it does not send are "
@@ -394,11 +400,11 @@ def advice(cfg: Config) -> list[str]:
     """Settings that are valid but that the benchmarks measured worse than another choice, each a sentence for a
     peer's log at start (a run's settings are its own: nothing is changed)."""
     notes = []
-    mask = re.fullmatch(r"mask(\d+)-.+", cfg.outer.codec)
-    if mask and cfg.outer.momentum > MASK_CODEC_MOMENTUM_ADVISED:
+    stride = mask_stride(cfg.outer.codec)
+    if stride and cfg.outer.momentum > MASK_CODEC_MOMENTUM_ADVISED:
         notes.append(f"outer.codec = {cfg.outer.codec!r} with outer.momentum = {cfg.outer.momentum:g}: a value is sent "
-                     f"one round in {mask.group(1)} with what it gathered meanwhile, and its momentum moves only then, "
-                     f"so this momentum remembers {mask.group(1)}× as many rounds as in a dense run; the demo model "
+                     f"one round in {stride} with what it gathered meanwhile, and its momentum moves only then, "
+                     f"so this momentum remembers {stride}× as many rounds as in a dense run; the demo model "
                      f"trained best with outer.lr = {MASK_CODEC_LR_ADVISED:g} and outer.momentum = "
                      f"{MASK_CODEC_MOMENTUM_ADVISED:g} (docs/benchmarks.md, the 1- and 2-bit codecs)")
     return notes
