@@ -778,11 +778,10 @@ class E3M0Codec(Codec):
 
 @dataclass(frozen=True)
 class _MeanScaledFormat:
-    """The levels of a :class:`MeanScaledCodec` of `bits` bits a value, in units of its block's mean |x|: the sign,
+    """The levels of a :class:`MeanScaledCodec`, by its bits a value, in units of its block's mean |x|: the sign,
     and a magnitude code that is 1 where |x / scale| > `threshold` (ties below; its float32 bits a multiple of
     2^16, :func:`_codes_by_ratio`). All exact in float32. `reach`: the largest error below the threshold."""
 
-    bits: int
     levels: tuple[float, ...]  # the magnitude of each magnitude code
     threshold: float  # +inf for one level
     reach: float
@@ -790,10 +789,10 @@ class _MeanScaledFormat:
 
 _MEAN_SCALED_FORMATS = {
     # the sign times the mean |x|: the scaled sign of EF-signSGD (Karimireddy et al. 2019, arXiv 1901.09847)
-    1: _MeanScaledFormat(bits=1, levels=(1.0,), threshold=math.inf, reach=1.0),
+    1: _MeanScaledFormat(levels=(1.0,), threshold=math.inf, reach=1.0),
     # within 2.4 % of the optimal four levels of a Gaussian (Max 1960, Lloyd 1982: ±0.4528σ and ±1.510σ, the
     # threshold at 0.9816σ, with mean |x| = 0.798σ)
-    2: _MeanScaledFormat(bits=2, levels=(0.5625, 1.875), threshold=1.25, reach=1.25 - 0.5625),
+    2: _MeanScaledFormat(levels=(0.5625, 1.875), threshold=1.25, reach=1.25 - 0.5625),
 }
 
 
