@@ -374,7 +374,7 @@ def mask_stride(codec: str) -> int:
     return int(sparse.group(1)) if sparse else 0
 
 
-def _check_sparse_codec(outer: OuterConfig) -> None:
+def _check_codec_needs_feedback(outer: OuterConfig) -> None:
     """A codec that sends one value in `stride` (p2p_diloco.sync.codecs.SharedMaskCodec) needs error feedback: without
     it the values a round does not send are dropped from the run for good; so does a codec of 1 or 2 bits a value
     (MeanScaledCodec), which clips what lies beyond its top level."""
@@ -465,7 +465,7 @@ def _check_consistency(cfg: Config) -> None:
             f"{cfg.inner.total_steps}: the lr schedule would end inside the first outer step"
         )
     _check_fragments(cfg)
-    _check_sparse_codec(cfg.outer)
+    _check_codec_needs_feedback(cfg.outer)
     micro = cfg.compute.micro_batch_size
     if micro and cfg.inner.batch_size % micro != 0:
         raise ConfigError(f"config: inner.batch_size = {cfg.inner.batch_size} must be a multiple of "

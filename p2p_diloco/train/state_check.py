@@ -104,7 +104,7 @@ SUBNORMAL_FLOOR = 2.0 ** -146  # a few of float32's smallest roundings (2⁻¹�
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(_equal_bits(a, b).all())
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
 
 
 def _equal_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
