@@ -34,7 +34,7 @@ from p2p_diloco.node_runner import setup_logging
 from p2p_diloco.sync.codecs import CODECS, bytes_per_parameter
 from p2p_diloco.train.data import TextData
 from quality import (
-    add_run_arguments, benchmark_config, checked_run_arguments, count_trainable_params, percent_gap, run_diloco,
+    add_model_arguments, add_run_arguments, benchmark_config, checked_run_arguments, count_trainable_params, percent_gap, run_diloco,
 )
 
 # each with DiLoCo's own sync, no error feedback: the mask and the 1- and 2-bit codecs need it (run them as
@@ -49,6 +49,7 @@ def parse_args() -> argparse.Namespace:
                         help="more runs, separated by ';': each a space-separated list of outer settings, "
                              "e.g. 'codec=fp4-e3m0 fragments=2 sync_delay=1 merge_alpha=0.5'")
     add_run_arguments(parser, out="bench-out/codecs")
+    add_model_arguments(parser)
     args = checked_run_arguments(parser)
     args.codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     unknown = [c for c in args.codecs if c not in CODECS]
@@ -84,7 +85,8 @@ def main() -> None:
     started = time.perf_counter()
     setup_logging(verbose=False)
     torch.set_num_threads(1)  # one thread per peer, as benchmarks/quality.py
-    cfg = benchmark_config(args.text, args.seed, args.inner_steps, args.outer_steps * args.inner_steps)
+    cfg = benchmark_config(args.text, args.seed, args.inner_steps, args.outer_steps * args.inner_steps, args.model,
+                           args.batch_size)
     data = TextData(cfg.data)
     num_params = count_trainable_params(cfg, data.vocab_size)
     rows = []
@@ -105,7 +107,7 @@ def main() -> None:
                                            f"{result.details['rounds_recorded']}"))
     reference = rows[0]["final_eval_loss"]
     print(f"\n{num_params / 1e6:.2f}M-parameter Llama, M = {args.peers}, H = {args.inner_steps}, "
-          f"K = {args.outer_steps}, on {Path(args.text).name}\n")
+          f"K = {args.outer_steps}, batch {args.batch_size}, on {Path(args.text).name}\n")
     print("| sync | bytes/param (codec) | sent+received per param per H inner steps | per sync (peak) | "
           "τ run | final eval loss | vs fp32 | one θ_global every step | rounds in the full group |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---|")

@@ -69,23 +69,29 @@ logger = logging.getLogger("benchmarks.quality")
 
 DEFAULT_TEXT = str(Path(__file__).resolve().parent.parent / "peers" / "data" / "tinyshakespeare.txt")
 LOCAL_BATCH_SIZE = 16  # B, sequences per inner step of one peer
+# the Llama sizes these benchmarks train: peers/demo.toml's (0.69M parameters with the 1024-token vocabulary)
+# and the WAN benchmarks' 14.7M (58.7 MB in fp32; benchmarks/utilization.py's 100mbit layout)
+MODEL_SIZES = {
+    "demo": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "intermediate_size": 384},
+    "14.7m": {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "intermediate_size": 1536},
+}
 WARMUP_FRACTION = 0.05  # of each peer's inner steps; the same warmup (in steps) for every method
 FP32_BYTES = 4
 
 
 # ----- configuration ------------------------------------------------------------------------------
-def benchmark_config(text_path: str, seed: int, inner_steps_per_outer: int, total_inner_steps: int) -> Config:
-    """The run config shared by all methods; the sizes of peers/demo.toml, the text file as corpus."""
+def benchmark_config(text_path: str, seed: int, inner_steps_per_outer: int, total_inner_steps: int,
+                     model: str = "demo", batch_size: int = LOCAL_BATCH_SIZE) -> Config:
+    """The run config shared by all methods: a model of MODEL_SIZES, the text file as corpus."""
     return config_from_dict({
         "run": {"name": "bench-quality", "seed": seed},
-        "model": {"name": "llama", "hidden_size": 128, "num_layers": 2, "num_heads": 4,
-                  "intermediate_size": 384, "max_position_embeddings": 128},
+        "model": {"name": "llama", **MODEL_SIZES[model], "max_position_embeddings": 128},
         "data": {"source": "files", "paths": [text_path], "tokenizer": "local-bpe", "vocab_size": 1024,
                  "seq_len": 64, "holdout_fraction": 0.05},
         "inner": {"optimizer": "adamw", "lr": 2e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
                   "warmup_steps": max(1, round(WARMUP_FRACTION * total_inner_steps)),
                   "total_steps": total_inner_steps, "min_lr_ratio": 0.1, "grad_clip": 1.0,
-                  "batch_size": LOCAL_BATCH_SIZE, "grad_accumulation": 1,
+                  "batch_size": batch_size, "grad_accumulation": 1,
                   "steps_per_outer": inner_steps_per_outer},
         # DiLoCo's Algorithm 1 (fp32, blocking): codecs, error feedback and overlap are what the other
         # benchmarks compare against it; an overlap asked for is Streaming DiLoCo's fixed τ unless a variant
@@ -458,6 +464,7 @@ def save_outputs(
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_arguments(parser, out="bench-out")
+    add_model_arguments(parser)
     parser.add_argument("--skip-equal-tokens-single", action="store_true",
                         help="do not train the single worker for M× the steps (saves about 30%% of the run time)")
     return checked_run_arguments(parser)
@@ -473,11 +480,20 @@ def add_run_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     parser.add_argument("--seed", type=int, default=0, help="run seed: initial weights and data orders")
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and the batch of a quality benchmark that trains the same config in every method."""
+    parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="demo",
+                        help="demo: peers/demo.toml's 0.69M Llama; 14.7m: the WAN benchmarks' (hidden 512, 4 layers)")
+    parser.add_argument("--batch-size", type=int, default=LOCAL_BATCH_SIZE, help="B, sequences per inner step of a peer")
+
+
 def checked_run_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
     args = parser.parse_args()
     for name in ("outer_steps", "inner_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if getattr(args, "batch_size", 1) < 1:
+        parser.error("--batch-size must be at least 1")
     if args.peers < 2:
         parser.error("--peers must be at least 2: DiLoCo needs a group to average with")
     return args
@@ -491,7 +507,7 @@ def main() -> None:
     torch.set_num_threads(1)
     # every method shares one lr schedule over K·H inner steps (M·K·H for the equal-tokens single worker)
     nominal_steps_per_peer = args.outer_steps * args.inner_steps
-    cfg = benchmark_config(args.text, args.seed, args.inner_steps, nominal_steps_per_peer)
+    cfg = benchmark_config(args.text, args.seed, args.inner_steps, nominal_steps_per_peer, args.model, args.batch_size)
     data = TextData(cfg.data)
 
     logger.info("DiLoCo: %d peers, %d outer steps of up to %d inner steps", args.peers, args.outer_steps,

@@ -84,12 +84,13 @@ from p2p_diloco.process_tree import (  # noqa: E402
 from p2p_diloco.config import OuterConfig  # noqa: E402
 from p2p_diloco.sync.codecs import CODECS, bytes_per_parameter  # noqa: E402
 from tests.netns import Topology, unavailable  # noqa: E402
+from benchmarks.quality import MODEL_SIZES  # noqa: E402
 
 DEMO_CONFIG = REPO / "peers" / "demo.toml"
 LAYOUTS = ("loopback", "100mbit")
 DEFAULT_CODECS = ("fp16", "int8", "nf4", "fp4-e3m0")
 # the 100mbit layout's model: 14.7M parameters (58.7 MB in fp32) with the demo's 1024-token vocabulary
-MODEL_15M = {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "intermediate_size": 1536}
+MODEL_15M = MODEL_SIZES["14.7m"]
 INNER_15M = {"batch_size": 4, "steps_per_outer": 20}
 DEFAULT_OUTER_STEPS = {"loopback": 3, "100mbit": 2}  # K; the run time is in the module docstring
 STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL after this long
