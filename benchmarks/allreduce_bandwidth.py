@@ -2,13 +2,18 @@
 
     sudo python benchmarks/allreduce_bandwidth.py   # ~8 min on 2 cores (--no-tcp: ~5); needs root (network namespaces)
     sudo python benchmarks/allreduce_bandwidth.py --mbit 100 --codecs none,fp4-e3m0 --rounds 2 --mbytes 4  # ~25 s
+    sudo python benchmarks/allreduce_bandwidth.py --regions us,eu,asia,us --mbit 20 --mbytes 58.7  # the internet
 
 N peer processes (--peers, default 3) each run in a network namespace of their own on one bridge
 (tests/netns.py), with their link shaped by `tc tbf` to B Mbit/s in each direction (--mbit, a list:
 each rate in turn, re-shaping the same links) by `Topology.limit_rate`, with a token bucket of
 --burst-ms (default 2 ms, at least 64 KiB) of the rate: a bucket of 100 ms, which an idle link
 refills between rounds and then sends at veth speed, let an all-reduce of a few MB beat the
-physical limit.
+physical limit. With --regions (one region of tests/emulated_internet.py's per peer, e.g. us,eu,asia,us)
+the peers sit on the emulated internet instead: each host's uplink paced to B (one rate only) by the
+packet router, which adds each pair's one-way delay (round trips 20–230 ms) and can lose --loss of the
+packets; the download is not limited, and the limit below (each peer's sent bytes over its uplink) is
+the same.
 
 Each peer starts its DHT node on its namespace address (the first peer is the others' initial
 peer) and averages one flat fp32 tensor of S/4 values (--mbytes S in 10^6 bytes, default 16: 4M parameters, values randn · 1e-3) with
@@ -61,7 +66,7 @@ not part of the all-reduce time. Per (B, codec) the table gives:
 - **payload MB**: the tensor bytes each peer sent plus received in the round (averager.traffic's
   all-reduce phase: serialized parts only), the mean over peers and rounds, and the peak (the largest of any peer in
   any round); for N peers the ideal is 2 · 2(N−1)/N · S_codec;
-- **eth0 MB**: the bytes each peer's interface sent plus received from the common start to its
+- **eth0 MB**: the bytes each peer's interface (tun0 on the emulated internet) sent plus received from the common start to its
   return (everything: TCP/IP, TLS, yamux, protobuf framing, DHT and the round reports), mean and peak;
 - **rounds ok**: rounds in which every peer got the full group and the same mean (sha256).
 
@@ -90,6 +95,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.tcp_ceiling import PATTERNS, PORT, Sink, probe  # noqa: E402
+from tests.emulated_internet import TUN_DEVICE  # noqa: E402
 
 RUN = "allreduce-bench"
 MATCHMAKING_TIME_S = 1.0
@@ -133,9 +139,9 @@ def starts(plan: dict) -> list[tuple[int, str, str]]:
 # the peer process (--worker): one DHT node, one OuterSync per phase, rounds on the common start
 
 
-def _iface_bytes() -> tuple[int, int]:
-    """(tx, rx) bytes of eth0, this namespace's link."""
-    stats = Path("/sys/class/net/eth0/statistics")
+def _iface_bytes(device: str) -> tuple[int, int]:
+    """(tx, rx) bytes of `device`, this namespace's link (eth0 on the bridge, tun0 on the emulated internet)."""
+    stats = Path("/sys/class/net") / device / "statistics"
     return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
@@ -283,7 +289,7 @@ def run_worker(args) -> None:
                 start = _barrier(sync_dir, f"{p}-{r}", index, STARTUP_TIMEOUT_S + 4 * cfg.allreduce_timeout)
                 time.sleep(max(0.0, start - time.time()))
                 allreduce0 = sync.averager.traffic.by_phase()["allreduce"]  # the all-reduce's alone: its payload
-                tx0, rx0 = _iface_bytes()
+                tx0, rx0 = _iface_bytes(plan["iface"])
                 marks = watch.start()
                 called = time.time()
                 mean, group_size, error = None, None, None
@@ -296,7 +302,7 @@ def run_worker(args) -> None:
                     error = str(e)
                 returned = time.time()
                 marks = watch.finish(marks)
-                tx1, rx1 = _iface_bytes()
+                tx1, rx1 = _iface_bytes(plan["iface"])
                 record = dict(peer=index, phase=p, mbit=phase["mbit"], codec=phase["codec"], round=r, start=start,
                               called=called, began=marks.get("began"), done=marks.get("done"), returned=returned,
                               cpu_s=marks.get("cpu_s"), p2pd_cpu_s=marks.get("p2pd_cpu_s"),
@@ -370,10 +376,26 @@ def _read_records(paths) -> list[dict]:
             if line.strip()]
 
 
+def network(args, peers: int):
+    """The peers' namespaces (a context manager), their hosts, and how to shape their links to a rate (None
+    on the emulated internet, whose uplinks are set when it is made)."""
+    if not args.regions:
+        from tests.netns import Topology
+        topology = Topology()
+        try:
+            hosts = [topology.add_public(f"peer{i}") for i in range(peers)]
+        except BaseException:
+            topology.close()
+            raise
+        return topology, hosts, lambda host, mbit: topology.limit_rate(host, mbit, args.burst_ms)
+    from tests.emulated_internet import Internet, Site
+    internet = Internet([Site(f"peer{i}", region, args.rates[0]) for i, region in enumerate(args.regions)],
+                        loss=args.loss)
+    return internet, [internet.hosts[f"peer{i}"] for i in range(peers)], None
+
+
 def run(args, plan: dict, out: Path) -> tuple[list[dict], list[dict]]:
     """Every peer's all-reduce records and TCP probe records."""
-    from tests.netns import Topology
-
     sync_dir = out / "barrier"
     sync_dir.mkdir(parents=True, exist_ok=True)
     for path in [*sync_dir.iterdir(), *out.glob("peer*.jsonl"), *out.glob("tcp*.jsonl")]:
@@ -382,9 +404,9 @@ def run(args, plan: dict, out: Path) -> tuple[list[dict], list[dict]]:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     me = [sys.executable, str(Path(__file__).resolve()), "--out", str(out)]
     procs: list[subprocess.Popen] = []
-    with Topology() as topology:
+    namespaces, hosts, shape = network(args, plan["peers"])
+    with namespaces as topology:
         try:
-            hosts = [topology.add_public(f"peer{i}") for i in range(plan["peers"])]
             first = topology.popen(hosts[0], [*me, "--worker", "0", "--ip", hosts[0].ip], stdout=subprocess.PIPE,
                                    stderr=open(out / "peer0.log", "w"), text=True, env=env)
             procs.append(first)
@@ -404,9 +426,9 @@ def run(args, plan: dict, out: Path) -> tuple[list[dict], list[dict]]:
                     announced = (p, what)
                 timeout = STARTUP_TIMEOUT_S + 4 * allreduce_timeout(plan, phase) + COMMIT_TIMEOUT_S
                 _wait_ready(sync_dir, name, procs, plan["peers"], timeout)
-                if phase["mbit"] != shaped:  # only now: every peer is done with what ran at the last rate
+                if phase["mbit"] != shaped and shape:  # only now: every peer is done with the last rate
                     for host in hosts:
-                        topology.limit_rate(host, phase["mbit"], args.burst_ms)
+                        shape(host, phase["mbit"])
                     shaped = phase["mbit"]
                 _go(sync_dir, name)
             _wait_ready(sync_dir, "end", procs, plan["peers"], 4 * allreduce_timeout(plan, plan["phases"][-1]) + 60)
@@ -520,13 +542,15 @@ def print_table(plan: dict, rows: list[dict]) -> None:
     def mb(value):
         return num(value / 1e6 if value is not None else None, ".2f")
 
-    print(f"\n{plan['peers']} peers, S = {plan['numel'] * 4 / 1e6:g} MB fp32 ({plan['numel']:,} parameters), "
+    where = (f"on the emulated internet ({', '.join(plan['regions'])}; uplinks only; loss {plan['loss']:g})"
+             if plan["regions"] else "on a bridge")
+    print(f"\n{plan['peers']} peers {where}, S = {plan['numel'] * 4 / 1e6:g} MB fp32 ({plan['numel']:,} parameters), "
           f"{plan['rounds']} rounds each, {'planned' if plan['planned'] else 'hivemind'} matchmaking; medians over "
           f"the rounds; MB = 10^6 bytes, sent + received per peer per round\n")
     print("| Mbit/s | codec | S_codec MB | limit s | all-reduce s | efficiency | split limit s | "
           "TCP all-to-all s (of limit) | one TCP flow per link s (of limit) | all-reduce of TCP all-to-all | "
           f"CPU busy (of {os.cpu_count()} cores), p2pd's | round s | matchmaking s | commit s | "
-          "payload MB mean / peak (ideal) | eth0 MB mean / peak | rounds ok |")
+          f"payload MB mean / peak (ideal) | {plan['iface']} MB mean / peak | rounds ok |")
     print("|---:|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|---|---:|")
     for r in rows:
         print(f"| {r['mbit']:g} | {r['codec']} | {r['s_codec_bytes'] / 1e6:.2f} | {r['limit_s']:.2f} | "
@@ -545,7 +569,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mbit", default="20,100,1000", help="link rates in Mbit/s, comma-separated (each direction)")
     parser.add_argument("--codecs", default="all", help="comma-separated codec names, or 'all'")
-    parser.add_argument("--peers", type=int, default=3, help="N, peers in the all-reduce (at least 2)")
+    parser.add_argument("--peers", type=int, help="N, peers in the all-reduce (at least 2; default 3, or one per "
+                                                   "--regions)")
     parser.add_argument("--mbytes", type=float, default=16.0, help="S: fp32 size of the averaged tensor, in 10^6 bytes")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per rate and codec")
     parser.add_argument("--burst-ms", type=float, default=2.0, help="tbf bucket, in ms of the rate (at least 64 KiB)")
@@ -558,6 +583,10 @@ def main() -> None:
     parser.add_argument("--matchmaking", choices=("planned", "hivemind"), default="planned",
                         help="how each round's group forms: from the membership plan, as the training loop does "
                              "(default), or by hivemind's matchmaking for matchmaking_time")
+    parser.add_argument("--regions", default="",
+                        help="comma-separated, one per peer (us, eu, asia): the peers on the emulated internet, "
+                             "with these regions' round trips and --mbit (one rate) as every uplink")
+    parser.add_argument("--loss", type=float, default=0.0, help="with --regions: the share of packets lost")
     parser.add_argument("--out", default="bench-out/allreduce-bandwidth")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ip", help=argparse.SUPPRESS)
@@ -578,15 +607,32 @@ def main() -> None:
         rates = [float(x) for x in args.mbit.split(",") if x.strip()]
     except ValueError:
         parser.error(f"--mbit {args.mbit!r}: expected numbers separated by commas")
+    args.rates = rates
+    args.regions = [r.strip() for r in args.regions.split(",") if r.strip()]
+    if args.peers is None:
+        args.peers = len(args.regions) or 3
     if not rates or min(rates) <= 0 or args.peers < 2 or args.rounds < 1 or args.mbytes <= 0 or args.burst_ms <= 0:
         parser.error("need rates > 0, --peers >= 2, --rounds >= 1, --mbytes > 0 and --burst-ms > 0")
+    if args.regions:
+        from tests.emulated_internet import REGIONS, unavailable  # noqa: F811: namespaces and TUN devices
+        if len(args.regions) != args.peers:
+            parser.error(f"--regions names {len(args.regions)} regions for --peers {args.peers}: one per peer")
+        if unknown := sorted(set(args.regions) - set(REGIONS)):
+            parser.error(f"--regions: unknown {', '.join(unknown)}; valid: {', '.join(REGIONS)}")
+        if len(rates) != 1:
+            parser.error("--regions takes one --mbit rate: the emulated internet's uplinks are set when it is made")
+        if not 0.0 <= args.loss < 1.0:
+            parser.error("--loss must be in [0, 1)")
+    elif args.loss:
+        parser.error("--loss needs --regions (the bridge's links lose nothing)")
     if (why := unavailable()) is not None:
-        sys.exit(f"error: network namespaces are unavailable: {why}")
+        sys.exit(f"error: network namespaces{' and TUN devices' if args.regions else ''} are unavailable: {why}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plan = dict(peers=args.peers, numel=int(args.mbytes * 1e6 / 4), rounds=args.rounds,
                 matchmaking_time=MATCHMAKING_TIME_S, request_timeout=REQUEST_TIMEOUT_S, burst_ms=args.burst_ms,
-                planned=args.matchmaking == "planned", tcp=args.tcp, profile_averagers=args.profile_averagers,
+                planned=args.matchmaking == "planned", tcp=args.tcp, regions=args.regions, loss=args.loss,
+                iface=TUN_DEVICE if args.regions else "eth0", profile_averagers=args.profile_averagers,
                 phases=[dict(mbit=rate, codec=codec) for rate in rates for codec in codecs])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("error: stopped (SIGTERM)"))  # `finally` stops the peers
     began = time.monotonic()
