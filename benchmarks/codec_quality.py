@@ -34,7 +34,8 @@ from p2p_diloco.node_runner import setup_logging
 from p2p_diloco.sync.codecs import CODECS, bytes_per_parameter
 from p2p_diloco.train.data import TextData
 from quality import (
-    add_model_arguments, add_run_arguments, benchmark_config, checked_run_arguments, count_trainable_params, percent_gap, run_diloco,
+    add_model_arguments, add_run_arguments, benchmark_config, checked_run_arguments, count_trainable_params,
+    percent_gap, run_diloco,
 )
 
 # each with DiLoCo's own sync, no error feedback: the mask and the 1- and 2-bit codecs need it (run them as

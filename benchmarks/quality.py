@@ -489,7 +489,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model and the batch of a quality benchmark that trains the same config in every method."""
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="demo",
                         help="demo: peers/demo.toml's 0.69M Llama; 14.7m: the WAN benchmarks' (hidden 512, 4 layers)")
-    parser.add_argument("--batch-size", type=int, default=LOCAL_BATCH_SIZE, help="B, sequences per inner step of a peer")
+    parser.add_argument("--batch-size", type=_at_least_one, default=LOCAL_BATCH_SIZE,
+                        help="B, sequences per inner step of a peer")
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 def checked_run_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
@@ -497,8 +505,6 @@ def checked_run_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace
     for name in ("outer_steps", "inner_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if getattr(args, "batch_size", 1) < 1:
-        parser.error("--batch-size must be at least 1")
     if args.peers < 2:
         parser.error("--peers must be at least 2: DiLoCo needs a group to average with")
     return args

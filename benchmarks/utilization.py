@@ -18,8 +18,8 @@ Layouts:
   the layout uses 24, so they compare).
 - `100mbit`: the bootstrap node and each peer in a network namespace of its own on one bridge
   (tests/netns.py), every link shaped with `tc tbf` to --mbit in each direction; the demo config
-  with a 14.7M-parameter model (MODEL_15M: 58.7 MB in fp32) and a cheaper inner step (INNER_15M:
-  batch 4 × 64 tokens, H = 20), so that 3 peers train on 2 cores. Needs root, `ip`, `iptables`
+  with a 14.7M-parameter model (benchmarks/quality.py's MODEL_SIZES["14.7m"]: 58.7 MB in fp32) and a
+  cheaper inner step (INNER_15M: batch 4 × 64 tokens, H = 20), so that 3 peers train on 2 cores. Needs root, `ip`, `iptables`
   and `tc`; without them the layout is skipped, and the output says why.
 
 Variants (names for --variants; [outer] settings, see p2p_diloco/config.py):
@@ -89,8 +89,6 @@ from benchmarks.quality import MODEL_SIZES  # noqa: E402
 DEMO_CONFIG = REPO / "peers" / "demo.toml"
 LAYOUTS = ("loopback", "100mbit")
 DEFAULT_CODECS = ("fp16", "int8", "nf4", "fp4-e3m0")
-# the 100mbit layout's model: 14.7M parameters (58.7 MB in fp32) with the demo's 1024-token vocabulary
-MODEL_15M = MODEL_SIZES["14.7m"]
 INNER_15M = {"batch_size": 4, "steps_per_outer": 20}
 DEFAULT_OUTER_STEPS = {"loopback": 3, "100mbit": 2}  # K; the run time is in the module docstring
 STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL after this long
@@ -128,7 +126,7 @@ def layout_base(layout: str) -> dict:
     if layout == "loopback":
         raw["inner"]["steps_per_outer"] = 24  # 25 has no divisor P = 2
     else:
-        raw["model"].update(MODEL_15M)
+        raw["model"].update(MODEL_SIZES["14.7m"])  # 14.7M parameters with the demo's 1024-token vocabulary
         raw["inner"].update(INNER_15M)
     return raw
 
