@@ -19,6 +19,7 @@ import errno
 import functools
 import ipaddress
 import logging
+import os
 import socket
 from dataclasses import dataclass
 from typing import Sequence
@@ -100,6 +101,14 @@ def parse_initial_peers(maddrs: Sequence[str], where: str = "--initial-peers") -
 
 
 DHT_CHECK_PERIOD_S = 0.5
+# libp2p's TCP transport dials from the port it listens on (SO_REUSEPORT) unless this is "false". Two nodes that
+# dial each other within a one-way delay of each other (each pair of an all-reduce's group that had not spoken
+# before, as the all-reduce begins) then open one TCP connection from both ends at once (a TCP simultaneous
+# open), on which both begin libp2p's security handshake as its initiator and fail ("noise: message is too
+# short"): the pair's streams, and the round, were lost in 2 of 4 runs over 230 ms round trips. A node dials from
+# a port of its own: what libp2p dials from its listening port for, hole punching, p2p-diloco does not use
+# (docs/network.md). An operator who sets the variable keeps the value.
+REUSEPORT_ENV = "LIBP2P_TCP_REUSEPORT"
 
 
 def _fails_once_the_process_is_gone(call):
@@ -139,6 +148,7 @@ class SwarmDHT(DHT):
 
     def run(self) -> None:
         keep_tasks_in(hivemind.dht.dht)  # this is the DHT's process: its loop keeps the tasks it runs
+        os.environ.setdefault(REUSEPORT_ENV, "false")  # read by the p2pd that this process starts
         super().run()
 
     get = _fails_once_the_process_is_gone(DHT.get)
