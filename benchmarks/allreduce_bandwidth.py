@@ -394,11 +394,19 @@ def network(args, peers: int):
     return internet, [internet.hosts[f"peer{i}"] for i in range(peers)], None
 
 
+def _log_router(out: Path, start: str, internet) -> None:
+    """Append the router's counters per host, as `start` begins, to out/router.jsonl (drops, SYNs dropped)."""
+    from dataclasses import asdict
+    counters = {host: asdict(c) for host, c in internet.counters().items()}
+    with open(out / "router.jsonl", "a") as f:
+        f.write(json.dumps(dict(start=start, time=time.time(), hosts=counters)) + "\n")
+
+
 def run(args, plan: dict, out: Path) -> tuple[list[dict], list[dict]]:
     """Every peer's all-reduce records and TCP probe records."""
     sync_dir = out / "barrier"
     sync_dir.mkdir(parents=True, exist_ok=True)
-    for path in [*sync_dir.iterdir(), *out.glob("peer*.jsonl"), *out.glob("tcp*.jsonl")]:
+    for path in [*sync_dir.iterdir(), *out.glob("peer*.jsonl"), *out.glob("tcp*.jsonl"), *out.glob("router.jsonl")]:
         path.unlink()
     (out / "plan.json").write_text(json.dumps(plan, indent=2))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -430,8 +438,12 @@ def run(args, plan: dict, out: Path) -> tuple[list[dict], list[dict]]:
                     for host in hosts:
                         shape(host, phase["mbit"])
                     shaped = phase["mbit"]
+                if shape is None:  # the emulated internet: its router's counters as each round begins
+                    _log_router(out, name, topology)
                 _go(sync_dir, name)
             _wait_ready(sync_dir, "end", procs, plan["peers"], 4 * allreduce_timeout(plan, plan["phases"][-1]) + 60)
+            if shape is None:
+                _log_router(out, "end", topology)
             _go(sync_dir, "end")
             deadline = time.monotonic() + 60  # each peer shuts down by itself; _stop below ends the rest
             while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:

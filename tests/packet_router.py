@@ -49,6 +49,7 @@ class Counters:
     received_bytes: int = 0  # IP packets delivered to the host
     received_payload: int = 0  # their TCP/UDP payload, each TCP byte once
     dropped: int = 0  # packets of the host's that its full uplink queue dropped
+    dropped_syn: int = 0  # of those, TCP SYNs (a connection's opening, sent again only after 1, 2, 4, ... s)
     lost: int = 0  # packets of the host's lost on the way (the loss option)
 
 
@@ -63,6 +64,12 @@ def payload_length(packet: bytes) -> int:
     if packet[9] == 17:  # UDP
         return max(0, total - ip_header - 8)
     return 0
+
+
+def is_syn(packet: bytes) -> bool:
+    """Whether an IPv4 packet is a TCP SYN (a connection's first packet, or its answer: SYN-ACK)."""
+    ip_header = (packet[0] & 0x0F) * 4
+    return packet[9] == 6 and len(packet) > ip_header + 13 and bool(packet[ip_header + 13] & 0x02)
 
 
 class FirstSeen:
@@ -143,6 +150,7 @@ class Router:
         leaves = self.uplinks[source].departure(now, len(packet))
         if leaves is None:
             counters.dropped += 1
+            counters.dropped_syn += is_syn(packet)
             return None
         if self.loss and self.random.random() < self.loss:
             counters.lost += 1
