@@ -45,7 +45,7 @@ def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose
     from p2p_diloco.process_tree import children_exit_with_this_process
     from p2p_diloco.swarm.identity import Identity, IdentityError
     from p2p_diloco.swarm.node import NodeAddressError, start_dht
-    from p2p_diloco.swarm.records import node_validators
+    from p2p_diloco.swarm.records import key_phases, node_validators
     from p2p_diloco.run_page.server import serve_run_page
     from p2p_diloco.sync.assistant import AssistantPool
 
@@ -55,7 +55,8 @@ def run_bootstrap(host, port, announce_ip, identity_path, initial_peers, verbose
         identity = Identity.load_or_create(identity_path)
         keeper = _prepare_keeper(options.keep, identity.peer_id, options.keep_eval_sequences) if options.keep \
             else None  # a bad config stops it before the node
-        dht = start_dht(host, port, identity, node_validators(identity), announce_ip, initial_peers)
+        dht = start_dht(host, port, identity, node_validators(identity), announce_ip, initial_peers,
+                        key_phases=key_phases())
     except (NodeAddressError, IdentityError, ValueError) as e:  # ConfigError and DataError are ValueErrors
         return fail(str(e), EXIT_USAGE)
     except ConnectionError as e:

@@ -1,30 +1,34 @@
-"""The bytes a peer sends and receives, by phase of the protocol, counted where our code hands them over.
+"""The bytes a peer sends and receives, by phase of the protocol.
 
-Every phase counts at the boundary of our code, not on the wire: what it gives hivemind to send and
-what hivemind gives it back. So the counts leave out protobuf and libp2p framing, TCP/IP headers,
-the DHT's own routing (its lookups, pings and replication of others' records) and libp2p's own
-traffic (identify, relays, hole punching); an outside count (at a router) is higher by those.
+The tensors' streams (all-reduce, audit, state) count where our code hands bytes to hivemind and gets them
+back. Everything that goes through the peer's DHT node (records, round reports, probes, and the DHT's own
+requests) counts in the DHT's process, request by request, as it leaves and arrives
+(:mod:`p2p_diloco.swarm.dht_traffic`): each copy of a write on each node that stores it, each node's answer
+to a read, and what the node answers for other nodes. The counts leave out protobuf and libp2p framing,
+encryption, TCP/IP headers and libp2p's own traffic (identify, its own routing); an outside count (at a
+router) is higher by those.
 
 =============  ====================================================================================
 phase          what is counted
 =============  ====================================================================================
 ``allreduce``  the encoded tensor parts: this peer's inputs to the reducers and the averaged parts
                back, and as a reducer the parts it got and the results it sent (and what it relays)
-``commit``     the round reports (:mod:`p2p_diloco.sync.commit`): the msgpack bytes of this peer's
-               report stored, and of every report read back
+``commit``     the round reports (:mod:`p2p_diloco.sync.commit`): the DHT's requests about them, made
+               and answered
 ``audit``      the spot checks (:mod:`p2p_diloco.sync.audit`): the request, the hash lists and the
                sampled chunks, as protobuf messages, by the auditor and by the reducer
 ``state``      θ_global and the outer optimizer's state served, downloaded or pushed
-               (:mod:`p2p_diloco.sync.state_transfer`), and the DHT records that name its donors
-``records``    the run's progress and status records (:mod:`p2p_diloco.swarm.records`): the msgpack
-               bytes of each value stored and of each value read
-``probes``     the liveness checks of a silent groupmate (:mod:`p2p_diloco.swarm.liveness`): the
-               request and reply of each probe
+               (:mod:`p2p_diloco.sync.state_transfer`), and the DHT's requests about its donors
+``records``    the run's progress and status records and the swarm's shared ones
+               (:mod:`p2p_diloco.swarm.records`): the DHT's requests about them, made and answered
+``probes``     the liveness checks (:mod:`p2p_diloco.swarm.liveness`), asked and answered
+``dht``        the rest of the DHT's requests: its lookups and pings, hivemind's matchmaking keys, and
+               other runs' records that the node stores and serves
 =============  ====================================================================================
 
-The counters live in shared memory, created before hivemind's averager forks its process, so the
-averager (all-reduce, audit, state) and the peer's own process (records, reports, probes) add to the
-same totals. Each DHT node has one set (:func:`traffic_of`): the peers of an in-process test keep
+The counters live in shared memory, created before hivemind forks the DHT's and the averager's processes,
+so the DHT (records, reports, probes), the averager (all-reduce, audit, state) and the peer's own process
+add to the same totals. Each DHT node has one set (:func:`traffic_of`): the peers of an in-process test keep
 theirs apart.
 """
 
@@ -32,11 +36,8 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
-from typing import Any, Optional
 
-from hivemind.utils.serializer import MSGPackSerializer
-
-PHASES = ("allreduce", "commit", "audit", "state", "records", "probes")
+PHASES = ("allreduce", "commit", "audit", "state", "records", "probes", "dht")
 
 
 class TrafficCounters:
@@ -77,32 +78,3 @@ def traffic_of(dht) -> TrafficCounters:
         counters = TrafficCounters()
         dht._p2p_diloco_traffic = counters
     return counters
-
-
-def stored_bytes(key: str, subkey: Optional[bytes], value: Any) -> int:
-    """What our code hands the DHT to store: the key, the subkey and the value, in msgpack (as the DHT sends it)."""
-    return len(key) + len(subkey or b"") + len(MSGPackSerializer.dumps(value))
-
-
-def found_bytes(found: Any) -> int:
-    """What the DHT hands back of a read (:meth:`DHT.get`'s result): each subkey and its value, in msgpack."""
-    if found is None:
-        return 0
-    value = getattr(found, "value", found)
-    if not isinstance(value, dict):
-        return len(MSGPackSerializer.dumps(value))
-    return sum((len(subkey) if isinstance(subkey, bytes) else len(MSGPackSerializer.dumps(subkey)))
-               + len(MSGPackSerializer.dumps(getattr(item, "value", item))) for subkey, item in value.items())
-
-
-def counted_store(dht, key: str, value: Any, subkey: Optional[bytes], expiration_time: float, phase: str) -> bool:
-    """``dht.store``, its bytes (:func:`stored_bytes`) counted in `phase`."""
-    traffic_of(dht).add(sent=stored_bytes(key, subkey, value), phase=phase)
-    return dht.store(key, value=value, subkey=subkey, expiration_time=expiration_time)
-
-
-def counted_get(dht, key: str, phase: str) -> Any:
-    """``dht.get(key, latest=True)``, the key sent and what came back (:func:`found_bytes`) counted in `phase`."""
-    found = dht.get(key, latest=True)
-    traffic_of(dht).add(sent=len(key), received=found_bytes(found), phase=phase)
-    return found

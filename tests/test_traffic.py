@@ -1,18 +1,21 @@
 """Every byte counted (p2p_diloco/traffic.py): the counters by phase, shared with a forked process as the
-averager's, and the phases counted in the peer's own process on real DHT nodes of run "test" on 127.0.0.1:
-the round reports (commit), the progress records (records) and the liveness probes (probes). The
-all-reduce's and the audit's bytes are checked on real rounds (tests/test_exact_allreduce.py,
+averager's, and the phases counted in the DHT's process (swarm/dht_traffic.py) on real DHT nodes of run "test"
+on 127.0.0.1: the round reports (commit), the progress records (records), the liveness probes (probes) and
+the rest (dht). The all-reduce's and the audit's bytes are checked on real rounds (tests/test_exact_allreduce.py,
 tests/test_reducer_audit.py)."""
 
 import multiprocessing as mp
 
 import pytest
+from hivemind.utils.serializer import MSGPackSerializer
 
-from p2p_diloco.swarm.liveness import PROBE_BYTES, answering
+from p2p_diloco.swarm.liveness import ALIVE, answering
 from p2p_diloco.swarm.node import start_run_node, visible_maddrs
-from p2p_diloco.swarm.records import RecordPublisher, RoundReportsValue, rounds_key, signed_records
+from p2p_diloco.swarm.records import (ProgressValue, RecordPublisher, RoundReportsValue, progress_key, rounds_key,
+                                      signed_records)
 from p2p_diloco.sync.commit import RoundReports
-from p2p_diloco.traffic import PHASES, TrafficCounters, stored_bytes, traffic_of
+from p2p_diloco.traffic import PHASES, TrafficCounters, traffic_of
+from tests.swarm_helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,35 +52,46 @@ def nodes():
             node.dht.shutdown()
 
 
-def test_reports_records_and_probes_are_counted_each_in_its_phase(nodes):
+def test_each_request_counts_on_both_nodes_in_the_phase_of_its_key(nodes):
+    """Each DHT request counts in the DHT's process of the node that makes it and of the node that answers it
+    (swarm/dht_traffic.py): what one counts sent, the other counts received."""
     mine, other = nodes
-    counted = traffic_of(mine.dht)
-    assert traffic_of(mine.dht) is counted and traffic_of(other.dht) is not counted  # one set per node
+    counted, served = traffic_of(mine.dht), traffic_of(other.dht)
+    assert traffic_of(mine.dht) is counted and served is not counted  # one set per node
 
-    # commit: this peer's report stored (its bytes as handed to the DHT), the reports read back
-    RoundReports(mine.dht, "test", ttl=30.0, record_subkey=mine.identity.record_subkey).publish(
-        3, "00" * 8, complete=True, mean_sha256="ab" * 32)
-    commit = counted.by_phase()["commit"]
+    def mirrored(phase: str) -> bool:
+        ours, theirs = counted.by_phase()[phase], served.by_phase()[phase]
+        return ours["sent"] == theirs["received"] and ours["received"] == theirs["sent"]
+
+    # commit: this peer's report, stored on the other node too, and the reports read back from it
     report = {"reports": [dict(outer_step=3, token="00" * 8, complete=True, mean_sha256="ab" * 32,
                                inputs={}, outputs={}, audits={})]}
-    assert commit == {"sent": stored_bytes(rounds_key("test"), mine.identity.record_subkey, report), "received": 0}
-    assert len(list(signed_records(mine.dht, rounds_key("test"), RoundReportsValue, "round report", "commit"))) == 1
-    assert counted.by_phase()["commit"]["received"] > len(mine.identity.record_subkey)
+    RoundReports(mine.dht, "test", ttl=30.0, record_subkey=mine.identity.record_subkey).publish(
+        3, "00" * 8, complete=True, mean_sha256="ab" * 32)
+    wait_until(lambda: mirrored("commit"), 10, "the report's store counted by both nodes")
+    value_bytes = len(MSGPackSerializer.dumps(report))
+    assert counted.by_phase()["commit"]["sent"] > value_bytes  # it went over in a request
+    received = counted.by_phase()["commit"]["received"]
+    assert len(list(signed_records(mine.dht, rounds_key("test"), RoundReportsValue, "round report"))) == 1
+    wait_until(lambda: mirrored("commit"), 10, "the reports' read counted by both nodes")
+    assert counted.by_phase()["commit"]["received"] > received + value_bytes  # the other node's answer held it
 
-    # records: a record stored, and read back; nothing of it counts as a report
-    value = {"anything": 1}
+    # records: a read of the run's progress records (none yet) asks the other node
+    list(signed_records(mine.dht, progress_key("test"), ProgressValue, "progress record"))
+    wait_until(lambda: mirrored("records") and served.by_phase()["records"]["received"] > 0, 10,
+               "the records' read counted by both nodes")
+
+    # a key of no phase's: the DHT's own
+    records, dht = counted.by_phase()["records"], counted.by_phase()["dht"]["sent"]
     publisher = RecordPublisher(mine.dht, "traffic_test", mine.identity.record_subkey, ttl=30.0, what="test")
     try:
-        publisher.publish(value, keep_fresh=False)
+        publisher.publish({"anything": "x" * 1000}, keep_fresh=False)
     finally:
         publisher.close()
-    records = counted.by_phase()["records"]
-    assert records["sent"] == stored_bytes("traffic_test", mine.identity.record_subkey, value)
-    list(signed_records(mine.dht, "traffic_test", RoundReportsValue, "test record"))  # not a report: read all the same
-    assert counted.by_phase()["records"]["received"] > 0
+    assert counted.by_phase()["records"] == records and counted.by_phase()["dht"]["sent"] > dht + 1000
 
-    # probes: each peer asked
+    # probes: the other node asked, and its answer
     assert answering(mine.dht, [other.dht.peer_id.to_base58()]) == {other.dht.peer_id.to_base58()}
-    assert counted.by_phase()["probes"] == {"sent": PROBE_BYTES, "received": 0}
-    assert counted.by_phase()["allreduce"] == {"sent": 0, "received": 0}
-    assert traffic_of(other.dht).by_phase()["commit"] == {"sent": 0, "received": 0}
+    wait_until(lambda: mirrored("probes"), 10, "the probe counted by both nodes")
+    assert counted.by_phase()["probes"] == {"sent": len(ALIVE), "received": 0}  # its name and an empty message
+    assert counted.by_phase()["allreduce"] == served.by_phase()["allreduce"] == {"sent": 0, "received": 0}

@@ -20,7 +20,6 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2PContext
 
 from p2p_diloco.swarm.handlers import ask_many, serve
-from p2p_diloco.traffic import traffic_of
 
 ALIVE = "p2p_diloco.alive"  # the handler's name on every node
 ANSWER_TIMEOUT_S = 2.0
@@ -40,16 +39,12 @@ async def _ask(_dht: DHT, node: DHTNode, peer_ids: Sequence[str], timeout: float
     return {peer_id for peer_id, reply in replies.items() if reply is not None}
 
 
-PROBE_BYTES = len(ALIVE)  # what a probe hands the network: the handler's name and an empty message (and back: nothing)
-
-
 def answering(dht: DHT, peer_ids: Sequence[str], timeout: float = ANSWER_TIMEOUT_S) -> set[str]:
     """Those of `peer_ids` that answer within `timeout` s, all asked at once (a peer that nobody can
-    dial may not answer: ask only peers that others reach). Each probe counts :data:`PROBE_BYTES` sent
-    (:mod:`p2p_diloco.traffic`, phase ``probes``); libp2p's stream for it is not counted."""
+    dial may not answer: ask only peers that others reach). The DHT's process counts each probe, asked and
+    answered (:mod:`p2p_diloco.swarm.dht_traffic`, phase ``probes``)."""
     if not peer_ids:
         return set()
-    traffic_of(dht).add(sent=PROBE_BYTES * len(peer_ids), phase="probes")
     return dht.run_coroutine(partial(_ask, peer_ids=list(peer_ids), timeout=timeout))
 
 

@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import hivemind.dht.dht
 from hivemind import DHT
@@ -138,22 +138,43 @@ class SwarmDHT(DHT):
     ``members`` holds the peer IDs of a private run whose records the node's validators alone accept
     (:class:`~p2p_diloco.swarm.records.RunMembers`), None if it takes anyone's: the averager built on
     this node averages with those peers alone (:mod:`p2p_diloco.sync.group_screen`).
+
+    Every request the node makes or answers counts in its peer's traffic counters
+    (:func:`~p2p_diloco.traffic.traffic_of`), in the phase of the key it is about: `key_phases` (key -> phase)
+    and those added with :meth:`count_keys` (:mod:`p2p_diloco.swarm.dht_traffic`).
     """
 
-    def __init__(self, *args, record_validators: Sequence[RecordValidatorBase] = (), **kwargs):
+    def __init__(self, *args, record_validators: Sequence[RecordValidatorBase] = (),
+                 key_phases: Mapping[str, str] = (), **kwargs):
+        from p2p_diloco.swarm.dht_traffic import KeyPhases, handler_phases
         from p2p_diloco.swarm.records import RunMembers
+        from p2p_diloco.traffic import TrafficCounters
 
         self.members = next((v.peer_ids for v in record_validators if isinstance(v, RunMembers)), None)
+        # made before the DHT's process forks (hivemind's DHT starts it in its constructor), which adds to them
+        self._p2p_diloco_traffic = TrafficCounters()
+        self._key_phases = KeyPhases(key_phases, handler_phases())
         super().__init__(*args, record_validators=record_validators, **kwargs)
 
     def run(self) -> None:
+        from p2p_diloco.swarm.dht_traffic import count_requests
+
         keep_tasks_in(hivemind.dht.dht)  # this is the DHT's process: its loop keeps the tasks it runs
         os.environ.setdefault(REUSEPORT_ENV, "false")  # read by the p2pd that this process starts
+        count_requests(self._p2p_diloco_traffic, self._key_phases)
         super().run()
+
+    def count_keys(self, key_phases: Mapping[str, str]) -> None:
+        """Count the requests about these keys (key -> phase) in their phase from now on."""
+        self.run_coroutine(functools.partial(_count_keys, key_phases=dict(key_phases)))
 
     get = _fails_once_the_process_is_gone(DHT.get)
     store = _fails_once_the_process_is_gone(DHT.store)
     run_coroutine = _fails_once_the_process_is_gone(DHT.run_coroutine)
+
+
+async def _count_keys(dht: SwarmDHT, _node, key_phases: dict[str, str]) -> None:
+    dht._key_phases.add(key_phases)  # in the DHT's process, whose copy counts
 
 
 def start_dht(
@@ -165,10 +186,12 @@ def start_dht(
     initial_peers: Sequence[str] = (),
     client_mode: bool = False,
     startup_timeout: float = 60.0,
+    key_phases: Mapping[str, str] = (),
 ) -> SwarmDHT:
     """Start a DHT node (and its p2pd daemon); raise a one-line error if it cannot listen on host:port
     (NodeAddressError), if the swarm is unreachable (ConnectionError, naming why) or if a node with its
     identity key is already in the swarm (IdentityError): :mod:`p2p_diloco.swarm.join_failure`.
+    `key_phases`: the traffic phase of the requests about each key it names (:class:`SwarmDHT`).
 
     A `client_mode` node stores no records for others and answers no DHT requests: for a node that
     others cannot dial. Every node answers dial-back requests (:func:`serve_dial_back`) and liveness
@@ -185,6 +208,7 @@ def start_dht(
             check_if_identity_free=not identity.is_new,
             record_validators=record_validators,
             client_mode=client_mode,
+            key_phases=key_phases,
             start=True,
             await_ready=False,
         )
@@ -228,11 +252,12 @@ def start_run_node(
     swarm can dial it (a node that others cannot dial is restarted as a DHT client; see the module
     docstring). Without `identity`, the node gets a fresh one.
     """
-    from p2p_diloco.swarm.records import run_validators
+    from p2p_diloco.swarm.records import key_phases, run_validators
 
     identity = identity or Identity.load_or_create(None)
     validators = run_validators(identity, run_name, allowed_peers)
-    dht = start_dht(host, port, identity, validators, announce_ip, initial_peers)
+    phases = key_phases(run_name)
+    dht = start_dht(host, port, identity, validators, announce_ip, initial_peers, key_phases=phases)
     helpers = peer_ids_of(initial_peers)
     found = probe(dht, helpers)
     if found is None:
@@ -240,5 +265,6 @@ def start_run_node(
         return RunNode(dht, identity, Reachability(DIRECT, f"{reason}: assuming the swarm can dial this node"))
     if found.mode == UNREACHABLE:
         dht.shutdown()
-        dht = start_dht(host, port, identity, validators, announce_ip, initial_peers, client_mode=True)
+        dht = start_dht(host, port, identity, validators, announce_ip, initial_peers, client_mode=True,
+                        key_phases=phases)
     return RunNode(dht, identity, found)

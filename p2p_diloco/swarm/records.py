@@ -45,7 +45,6 @@ from p2p_diloco.remote_input import (
     MAX_TENSORS, Count, FiniteFloat, Model, OuterStep, Sha256Hex, StrictModel, Token, parse, warn_once,
 )
 from p2p_diloco.swarm.identity import Identity, owner_peer_id
-from p2p_diloco.traffic import counted_get, counted_store
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +256,16 @@ def rounds_key(run_name: str) -> str:
     return f"{run_name}_rounds"
 
 
+def key_phases(run_name: Optional[str] = None) -> dict[str, str]:
+    """The traffic phase (:mod:`p2p_diloco.traffic`) of the DHT requests about each key that every node shares
+    and, with `run_name`, each of that run's (:mod:`p2p_diloco.swarm.dht_traffic`)."""
+    phases = {assistance_key(): "records", runs_key(): "records"}
+    if run_name is not None:
+        phases.update({progress_key(run_name): "records", status_key(run_name): "records",
+                       rounds_key(run_name): "commit"})
+    return phases
+
+
 def read_signed(model: Type[Model], subkey: object, value: object, what: str) -> Optional[tuple[str, Model]]:
     """(author, record) of a record signed under its author's subkey that matches `model`'s schema; None,
     logged once per author, if it has no owner's key or is malformed (`what` names it in the log)."""
@@ -271,11 +280,10 @@ def read_signed(model: Type[Model], subkey: object, value: object, what: str) ->
     return author, record
 
 
-def signed_records(dht, key: str, model: Type[Model], what: str,
-                   phase: str = "records") -> Iterator[tuple[str, Model, float]]:
-    """(author, record, expiration time) of each well-formed signed record under `key` (:func:`read_signed`);
-    the bytes of the read are counted in `phase` (:mod:`p2p_diloco.traffic`)."""
-    found = counted_get(dht, key, phase)
+def signed_records(dht, key: str, model: Type[Model], what: str) -> Iterator[tuple[str, Model, float]]:
+    """(author, record, expiration time) of each well-formed signed record under `key` (:func:`read_signed`),
+    read from the nodes that hold the key (the latest of every subkey)."""
+    found = dht.get(key, latest=True)
     if found is None or not isinstance(found.value, dict):
         return
     for subkey, item in found.value.items():
@@ -429,7 +437,7 @@ class RecordPublisher:
 
     def _store(self, value: dict, complain: bool = True) -> None:
         try:
-            ok = counted_store(self.dht, self.key, value, self.subkey, get_dht_time() + self.ttl, "records")
+            ok = self.dht.store(self.key, value=value, subkey=self.subkey, expiration_time=get_dht_time() + self.ttl)
         except Exception as e:  # the DHT process is gone (shutting down): nothing left to tell
             logger.debug("could not store the %s record: %r", self.what, e)
             return

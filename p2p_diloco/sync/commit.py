@@ -34,7 +34,6 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2p_diloco.polling import poll_intervals
 from p2p_diloco.swarm.liveness import SilentPeers
 from p2p_diloco.swarm.records import AUDIT_OK, RoundReport, RoundReportsValue, rounds_key, signed_records
-from p2p_diloco.traffic import counted_store
 
 logger = logging.getLogger(__name__)
 
@@ -106,15 +105,15 @@ class RoundReports:
         earlier = [r for r in self._published if (r["outer_step"], r["token"]) != (outer_step, token)]
         self._published = [report, *earlier[:1]]
         try:
-            counted_store(self.dht, self.key, dict(reports=self._published), self.record_subkey,
-                          get_dht_time() + self.ttl, "commit")
+            self.dht.store(self.key, value=dict(reports=self._published), subkey=self.record_subkey,
+                           expiration_time=get_dht_time() + self.ttl)
         except Exception as e:  # the report is best effort: silence makes groupmates roll back
             logger.warning("could not publish the round report: %r", e)
 
     def _fetch(self) -> dict[str, list[RoundReport]]:
         """Each reporting peer's latest reports, by the peer ID of the key that signed them."""
         return {author: list(value.reports)
-                for author, value, _ in signed_records(self.dht, self.key, RoundReportsValue, "round report", "commit")}
+                for author, value, _ in signed_records(self.dht, self.key, RoundReportsValue, "round report")}
 
     def _wait(self, outer_step: int, tokens: dict[str, str],
               verdict: Callable[[dict[str, RoundReport]], tuple[Optional[Void], bool]], timeout: float,

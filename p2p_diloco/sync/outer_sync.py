@@ -35,6 +35,7 @@ from p2p_diloco.config import SwarmConfig
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.remote_input import parse
 from p2p_diloco.swarm.liveness import answering
+from p2p_diloco.swarm.node import SwarmDHT
 from p2p_diloco.swarm.records import AUDIT_OK, RoundReport
 from p2p_diloco.sync.audit import RoundDigests
 from p2p_diloco.sync.commit import RoundReports, Void
@@ -42,7 +43,7 @@ from p2p_diloco.sync.exact_allreduce import ExactMeanAverager
 from p2p_diloco.sync.group_screen import GroupMetadata
 from p2p_diloco.protocol.membership import Membership
 from p2p_diloco.sync.robust import EXACT_MEAN, AggregationRule, counted_claims
-from p2p_diloco.sync.state_transfer import StateSharing
+from p2p_diloco.sync.state_transfer import StateSharing, donors_key
 
 logger = logging.getLogger(__name__)
 
@@ -306,11 +307,14 @@ class OuterSync:
         self.reports = RoundReports(dht, run_name, ttl=cfg.progress_ttl, record_subkey=record_subkey,
                                     answering=functools.partial(answering, dht))
         buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        prefix = averager_prefix(run_name, fingerprint)
+        if isinstance(dht, SwarmDHT):
+            dht.count_keys({donors_key(prefix): "state"})
         self.averager = SwarmAverager(
             buffers,
             dht,
             start=True,
-            prefix=averager_prefix(run_name, fingerprint),
+            prefix=prefix,
             client_mode=client_mode,
             allow_state_sharing=not client_mode,
             declare_state_period=min(30.0, cfg.progress_ttl / 2),

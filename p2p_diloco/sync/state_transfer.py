@@ -48,11 +48,16 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 import p2p_diloco.faults as faults
 from p2p_diloco.hashing import tensors_sha256
 from p2p_diloco.remote_input import Count, OuterStep, Sha256Hex, StrictModel, parse, tensor_problem, warn_once
-from p2p_diloco.traffic import counted_get, traffic_of
+from p2p_diloco.traffic import traffic_of
 
 logger = logging.getLogger(__name__)
 
 FRAMING_ALLOWANCE_BYTES = 1 << 20  # protobuf and serialization headers on top of the raw fp32 bytes
+
+
+def donors_key(prefix: str) -> str:
+    """The DHT key under which hivemind's averagers of `prefix` declare that they serve their state."""
+    return f"{prefix}.all_averagers"
 
 
 class StateMetadata(StrictModel):
@@ -221,8 +226,8 @@ class StateSharing(DecentralizedAverager):
                 future.set_result((None, None, None, failures))
 
     def _donors_by_priority(self, exclude: set[str]) -> list[PeerID]:
-        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
-        found = counted_get(self.dht, key, "state")
+        key = donors_key(self._matchmaking.group_key_manager.prefix)
+        found = self.dht.get(key, latest=True)
         declared = found.value if found is not None and isinstance(found.value, dict) else {}
         priorities = {}
         for peer_bytes, info in declared.items():
