@@ -62,7 +62,9 @@ not part of the all-reduce time. Per (B, codec) the table gives:
   matchmaking, the all-reduce, and the DHT round reports and the audit every peer goes through
   before it commits the mean (p2p_diloco/sync/commit.py, audit.py); **matchmaking s** is the median
   of (the first peer's start of the all-reduce) − (the common start), and **commit s** the rest of
-  the round after the all-reduce: these are a round's fixed costs;
+  the round after the all-reduce: these are a round's fixed costs. The table of rounds splits the commit
+  as a peer saw it (medians over the peers of `GroupMean.phases`): its wait for the groupmates' reports,
+  then its audits and its wait for the other auditors' verdicts;
 - **payload MB**: the tensor bytes each peer sent plus received in the round (averager.traffic's
   all-reduce phase: serialized parts only), the mean over peers and rounds, and the peak (the largest of any peer in
   any round); for N peers the ideal is 2 · 2(N−1)/N · S_codec;
@@ -292,12 +294,12 @@ def run_worker(args) -> None:
                 tx0, rx0 = _iface_bytes(plan["iface"])
                 marks = watch.start()
                 called = time.time()
-                mean, group_size, error = None, None, None
+                mean, group_size, error, phases = None, None, None, None
                 try:
                     result = sync.average([delta], samples=index + 1, outer_step=1000 * p + r,
                                           global_sha256=global_sha256,
                                           membership=membership(1000 * p + r, global_sha256))
-                    mean, group_size = result.mean, result.group_size
+                    mean, group_size, phases = result.mean, result.group_size, result.phases
                 except RoundFailed as e:
                     error = str(e)
                 returned = time.time()
@@ -306,7 +308,7 @@ def run_worker(args) -> None:
                 record = dict(peer=index, phase=p, mbit=phase["mbit"], codec=phase["codec"], round=r, start=start,
                               called=called, began=marks.get("began"), done=marks.get("done"), returned=returned,
                               cpu_s=marks.get("cpu_s"), p2pd_cpu_s=marks.get("p2pd_cpu_s"),
-                              group_size=group_size, error=error,
+                              group_size=group_size, error=error, phases=phases,
                               mean_sha256=tensors_sha256(mean) if mean is not None else None,
                               **{way: count - allreduce0[way]
                                  for way, count in sync.averager.traffic.by_phase()["allreduce"].items()},
@@ -489,6 +491,9 @@ def summarize(plan: dict, records: list[dict], tcp_records: list[dict]) -> list[
                 iface=[x["iface_tx"] + x["iface_rx"] for x in got],
                 cpu_cores=sum(x["cpu_s"] for x in got) / allreduce_s,
                 p2pd_cpu_cores=sum(x["p2pd_cpu_s"] for x in got) / allreduce_s,
+                # this peer's wait for the groupmates' reports, and its audits and the other auditors' verdicts
+                reports_s=statistics.median(x["phases"]["commit"] for x in got),
+                audit_s=statistics.median(x["phases"]["audit"] for x in got),
             ))
         bpp = bytes_per_parameter(phase["codec"])
         s_codec = numel * bpp
@@ -526,7 +531,8 @@ def summarize(plan: dict, records: list[dict], tcp_records: list[dict]) -> list[
     return rows
 
 
-ROUND_PHASES = ("round", "matchmaking_s", "allreduce_s", "commit_s", "round_s", "cpu_cores", "p2pd_cpu_cores")
+ROUND_PHASES = ("round", "matchmaking_s", "allreduce_s", "commit_s", "reports_s", "audit_s", "round_s", "cpu_cores",
+                "p2pd_cpu_cores")
 
 
 def num(value, fmt: str) -> str:
@@ -536,16 +542,17 @@ def num(value, fmt: str) -> str:
 def print_rounds(rows: list[dict]) -> None:
     """Each round's phases, where the medians of the first table come from; a round that was not full, or
     gave the peers different means, is listed as failed."""
-    print("\n| Mbit/s | codec | round | matchmaking s | all-reduce s | commit s | round s | CPU busy, p2pd's | "
-          + " | ".join(f"{pattern} TCP s" for pattern in PATTERNS) + " |")
-    print("|---:|---|---:|---:|---:|---:|---:|---|" + "---:|" * len(PATTERNS))
+    print("\n| Mbit/s | codec | round | matchmaking s | all-reduce s | commit s (a peer's reports, audit) | round s | "
+          "CPU busy, p2pd's | " + " | ".join(f"{pattern} TCP s" for pattern in PATTERNS) + " |")
+    print("|---:|---|---:|---:|---:|---|---:|---|" + "---:|" * len(PATTERNS))
     for row in rows:
         done = {x["round"]: x for x in row["per_round"]}
         for r in range(row["rounds"]):
             tcp = " | ".join(num(row["tcp_s_each_round"][pattern][r], ".2f") for pattern in PATTERNS)
             x = done.get(r)
             phases = ("failed | – | – | – | –" if x is None else
-                      f"{x['matchmaking_s']:.2f} | {x['allreduce_s']:.2f} | {x['commit_s']:.2f} | {x['round_s']:.2f} | "
+                      f"{x['matchmaking_s']:.2f} | {x['allreduce_s']:.2f} | {x['commit_s']:.2f} ({x['reports_s']:.2f}, "
+                      f"{x['audit_s']:.2f}) | {x['round_s']:.2f} | "
                       f"{x['cpu_cores']:.2f}, {x['p2pd_cpu_cores']:.2f}")
             print(f"| {row['mbit']:g} | {row['codec']} | {r} | {phases} | {tcp} |")
 
