@@ -7,8 +7,12 @@ tests/test_reducer_audit.py)."""
 import multiprocessing as mp
 
 import pytest
+from google.protobuf.wrappers_pb2 import BytesValue
+from hivemind.dht.routing import DHTID
+from hivemind.proto import dht_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
+from p2p_diloco.swarm.dht_traffic import KeyPhases, handler_phases
 from p2p_diloco.swarm.liveness import ALIVE, answering
 from p2p_diloco.swarm.node import start_run_node, visible_maddrs
 from p2p_diloco.swarm.records import (ProgressValue, RecordPublisher, RoundReportsValue, progress_key, rounds_key,
@@ -39,6 +43,20 @@ def test_the_counters_add_up_by_phase_across_processes():
     assert (counters.sent, counters.received) == (111, 27)
     with pytest.raises(ValueError):
         counters.add(sent=1, phase="gossip")
+
+
+def test_a_request_counts_in_the_phase_of_its_first_key_or_its_handler():
+    phases = KeyPhases({rounds_key("test"): "commit"}, handler_phases())
+    phases.add({progress_key("test"): "records"})
+    key = DHTID.generate(source=rounds_key("test")).to_bytes()
+    other = DHTID.generate(source="elsewhere").to_bytes()
+    assert phases.of("DHTProtocol.rpc_find", dht_pb2.FindRequest(keys=[key, other])) == "commit"
+    assert phases.of("DHTProtocol.rpc_store", dht_pb2.StoreRequest(
+        keys=[DHTID.generate(source=progress_key("test")).to_bytes()])) == "records"
+    assert phases.of("DHTProtocol.rpc_find", dht_pb2.FindRequest(keys=[other, key])) == "dht"
+    assert phases.of("DHTProtocol.rpc_ping", dht_pb2.PingRequest()) == "dht"
+    assert phases.of(ALIVE, BytesValue()) == "probes" and phases.of("p2p_diloco.dial_back", BytesValue()) == "dht"
+    assert set(handler_phases().values()) | {"dht"} <= set(PHASES)
 
 
 @pytest.fixture
