@@ -19,8 +19,8 @@ Layouts:
 - `100mbit`: the bootstrap node and each peer in a network namespace of its own on one bridge
   (tests/netns.py), every link shaped with `tc tbf` to --mbit in each direction; the demo config
   with a 14.7M-parameter model (benchmarks/quality.py's MODEL_SIZES["14.7m"]: 58.7 MB in fp32) and a
-  cheaper inner step (INNER_15M: batch 4 × 64 tokens, H = 20), so that 3 peers train on 2 cores. Needs root, `ip`, `iptables`
-  and `tc`; without them the layout is skipped, and the output says why.
+  cheaper inner step (INNER_15M: batch 4 × 64 tokens, H = 20), so that 3 peers train on 2 cores. Needs root,
+  `ip`, `iptables` and `tc`; without them the layout is skipped, and the output says why.
 
 Variants (names for --variants; [outer] settings, see p2p_diloco/config.py):
 - `fp32-blocking`: codec none, blocking: the sync of today;

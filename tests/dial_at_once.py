@@ -5,22 +5,22 @@ each dialing the other, dial each other at once, as every pair of an all-reduce'
 
 Writes DIR/NAME.maddr once its node runs (alone: it joins no swarm, so it has not spoken to OTHER), waits for
 DIR/OTHER.maddr and DIR/go (a Unix time), dials OTHER's address at that time, asks it
-(:func:`p2p_diloco.swarm.liveness.answering`) and writes DIR/NAME.result: "answered" or "silent: " and the
-dial's error. Runs until SIGTERM or SIGINT, then shuts its node down.
+(:func:`p2p_diloco.swarm.liveness.answering`) and writes DIR/NAME.result: "answered" or "silent: " and what
+the dial found (:func:`p2p_diloco.swarm.join_failure.dial`). Runs until SIGTERM or SIGINT, then shuts its node down.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import signal
 import threading
 import time
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 WAIT_S = 120.0  # for the other's address and the start
-ANSWER_TIMEOUT_S = 20.0  # a dial over 230 ms round trips takes a few of them
+ANSWER_TIMEOUT_S = 20.0  # for the liveness request once connected
 
 
 def _wait_for(path: Path, stop: threading.Event) -> str:
@@ -37,20 +37,11 @@ def _write(path: Path, text: str) -> None:
     temporary.replace(path)
 
 
-async def _dial(_dht, node, maddr: str) -> str:
-    """'' once this node is connected to the node at `maddr`, else libp2p's error."""
-    from hivemind.p2p import PeerID
-    from hivemind.utils.multiaddr import Multiaddr
+async def _dial(_dht, node, maddr: str) -> Optional[str]:
+    """None once this node is connected to the node at `maddr`, else what went wrong."""
+    from p2p_diloco.swarm.join_failure import dial
 
-    address = Multiaddr(maddr)
-    peer_id = address.value_for_protocol("p2p")
-    try:
-        await asyncio.wait_for(node.p2p._client.connect(PeerID.from_base58(peer_id),
-                                                        [address.decapsulate(Multiaddr(f"/p2p/{peer_id}"))]),
-                               ANSWER_TIMEOUT_S)
-        return ""
-    except Exception as e:
-        return f"{type(e).__name__}: {e}".replace("\n", " ")
+    return await dial(node.p2p, maddr)
 
 
 def main() -> None:

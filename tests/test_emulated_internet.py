@@ -164,7 +164,7 @@ def test_two_peers_that_dial_each_other_at_once_over_a_long_round_trip_both_conn
     """Every pair of an all-reduce's group that had not spoken before dials each other as the all-reduce begins.
     libp2p dialed from the port it listens on (SO_REUSEPORT), so two such dials were one TCP connection opened
     from both ends at once, on which both ends began libp2p's handshake as its initiator, and failed: the pair
-    lost its streams, and the round (2 of 4, then 3 of 3 runs of benchmarks/allreduce_bandwidth.py --regions).
+    lost its streams, and the round (5 of 7 runs of benchmarks/allreduce_bandwidth.py --regions with 4 peers).
     A node dials from a port of its own (swarm/node.py). Here both nodes of a pair dial at once, 230 ms apart."""
     pairs = [(f"eu{i}", f"asia{i}") for i in range(PAIRS)]
     sites = [Site(name, name.rstrip("0123456789")) for pair in pairs for name in pair]

@@ -2,11 +2,11 @@
 
 A peer's DHT node runs in a process of its own (hivemind's ``DHT``), and every read and write of a record, by
 whichever of the peer's processes, is made there, as requests to other nodes: the lookups that find a key's
-nodes, a copy of each write to each of them (``num_replicas``: :data:`p2p_diloco.swarm.node.DHT_STORAGE`), and for
-a read, the answer of every node asked that holds the key, each with the whole value it holds. The node also answers other nodes' reads and writes. Counted
-where our code handed a value over (once per write, once per read), a swarm of 8 peers of the 14.7M model over
-the emulated internet counted 15.2 MB sent per round and its router saw 19.3 MB; its bootstrap node, which
-averages nothing, sent 11.4 MB in 3 rounds: the DHT's answers.
+nodes, a copy of each write to each of them (``num_replicas``: :data:`p2p_diloco.swarm.node.DHT_STORAGE`), and
+for a read, the answer of every node asked that holds the key, each with the whole value it holds. The node
+also answers other nodes' reads and writes. Counted where our code handed a value over (once per write, once
+per read), a swarm of 8 peers of the 14.7M model over the emulated internet counted 15.2 MB sent per round and
+its router saw 19.3 MB; its bootstrap node, which averages nothing, sent 11.4 MB in 3 rounds: the DHT's answers.
 
 :func:`count_requests` wraps the request-response calls of every ``P2P`` in the process (hivemind's handle on
 libp2p): each call this node makes and each one it answers adds its bytes (the handler's name and the protobuf

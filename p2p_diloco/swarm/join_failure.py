@@ -39,7 +39,7 @@ async def _join_failure(initial_peers: list[str], identity: Identity, error: Bas
     except Exception:  # no daemon to ask: the error as it came
         return ConnectionError(f"{through}: {error}")
     try:
-        causes = [cause for cause in [await _dial(p2p, maddr) for maddr in initial_peers] if cause]
+        causes = [cause for cause in [await dial(p2p, maddr) for maddr in initial_peers] if cause]
     finally:
         await p2p.shutdown()
     if causes:
@@ -52,7 +52,7 @@ async def _join_failure(initial_peers: list[str], identity: Identity, error: Bas
     return ConnectionError(f"{through}: {error}")
 
 
-async def _dial(p2p: P2P, maddr: str) -> Optional[str]:
+async def dial(p2p: P2P, maddr: str) -> Optional[str]:
     """None if the node at `maddr` answers `p2p`'s dial as the address's peer ID, else what went wrong and what
     to do."""
     address = Multiaddr(maddr)

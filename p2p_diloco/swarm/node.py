@@ -105,9 +105,9 @@ DHT_CHECK_PERIOD_S = 0.5
 # dial each other within a one-way delay of each other (each pair of an all-reduce's group that had not spoken
 # before, as the all-reduce begins) then open one TCP connection from both ends at once (a TCP simultaneous
 # open), on which both begin libp2p's security handshake as its initiator and fail ("noise: message is too
-# short"): the pair's streams, and the round, were lost in 5 of 7 runs of 4 peers over the emulated internet. A node dials from
-# a port of its own: what libp2p dials from its listening port for, hole punching, p2p-diloco does not use
-# (docs/network.md). An operator who sets the variable keeps the value.
+# short"): the pair's streams, and the round, were lost in 5 of 7 runs of 4 peers over the emulated internet.
+# A node dials from a port of its own: what libp2p dials from its listening port for, hole punching,
+# p2p-diloco does not use (docs/network.md). An operator who sets the variable keeps the value.
 REUSEPORT_ENV = "LIBP2P_TCP_REUSEPORT"
 # How a node stores and reads records. hivemind's defaults write each record on 5 nodes, keep a copy of what a
 # node reads and push it to one more node, and every node that holds a key answers each read with the whole
